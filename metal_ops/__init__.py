@@ -1,0 +1,25 @@
+"""The fused protected-argmin op: Metal and CUDA kernels with a pure MLX fallback."""
+
+from .evict import (
+    BODY,
+    CUDA_HEADER,
+    METAL_HEADER,
+    available_kernel,
+    cuda_kernel,
+    make_cuda_kernel,
+    make_metal_kernel,
+    metal_kernel,
+    protected_argmin,
+)
+
+__all__ = [
+    "BODY",
+    "CUDA_HEADER",
+    "METAL_HEADER",
+    "available_kernel",
+    "cuda_kernel",
+    "make_cuda_kernel",
+    "make_metal_kernel",
+    "metal_kernel",
+    "protected_argmin",
+]
