@@ -1,0 +1,227 @@
+"""Properties of the core that need no reference: freeze, decay, chunks, bad input."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from h2o_fn import (
+    H2OConfig,
+    absorb,
+    accumulate,
+    admit,
+    assert_invariants,
+    evict,
+    init,
+    key_weights,
+    protected_argmin,
+    step,
+)
+from h2o_fn.core import evict_lowest
+
+from helpers import kept, scores
+from strategies import configs, make_stream, shapes, streams
+
+
+def run_steps(cfg, keys, values=None, dtype=mx.float32):
+    B, H, T, D = keys.shape
+    values = keys if values is None else values
+    state = init(cfg, B, H, D, dtype=dtype)
+    for t in range(T):
+        state = step(state, mx.array(keys[:, :, t : t + 1]), mx.array(values[:, :, t : t + 1]), cfg)
+        assert_invariants(state, cfg)
+    return state
+
+
+def test_published_algorithm_freezes_on_the_first_budget_tokens():
+    """grace=0, decay=1: the newest token scores 0 < everyone else, so it is evicted at once."""
+    cfg = H2OConfig(budget=16, n_sink=0, grace=0, decay=1.0)
+    keys = make_stream((1, 2, 8), 200, seed=1, style="normal", scale=1.0).keys
+    state = run_steps(cfg, keys)
+    assert kept(state) == [[list(range(16))] * 2]
+
+
+def test_defaults_advance_the_window():
+    """grace and decay: recent tokens are kept and the window follows the stream."""
+    cfg = H2OConfig(budget=16, n_sink=2, grace=4, decay=0.5)
+    keys = make_stream((1, 2, 8), 200, seed=1, style="normal", scale=1.0).keys
+    state = run_steps(cfg, keys)
+    for head in kept(state)[0]:
+        assert head[:2] == [0, 1] and head[-4:] == [196, 197, 198, 199]
+        assert min(head[2:]) > 100, head
+
+
+def test_decay_one_is_a_plain_running_sum():
+    """decay=1.0: each score is exactly the sum of the key-proxy weights it received."""
+    cfg = H2OConfig(budget=64, n_sink=0, grace=0, decay=1.0)
+    keys = make_stream((1, 1, 4), 40, seed=3, style="normal", scale=1.0).keys
+    state = init(cfg, 1, 1, 4, dtype=mx.float32)
+    total = mx.zeros((1, 1, cfg.capacity))
+    for t in range(40):
+        k = mx.array(keys[:, :, t : t + 1])
+        total = total + key_weights(state, k)[..., 0, :]
+        state = step(state, k, k, cfg)
+    assert mx.array_equal(state.scores, total)
+
+
+def test_strong_decay_lets_a_late_token_outscore_an_early_one():
+    """Without decay scores only grow with age; with decay a recent heavy hitter wins."""
+    keys = make_stream((1, 1, 8), 60, seed=5, style="normal", scale=1.0).keys
+    flat = run_steps(H2OConfig(budget=64, n_sink=0, grace=0, decay=1.0), keys)
+    decayed = run_steps(H2OConfig(budget=64, n_sink=0, grace=0, decay=0.8), keys)
+    s_flat, s_dec = scores(flat)[0][0], scores(decayed)[0][0]
+    ages = np.array(sorted(s_flat))
+    assert np.corrcoef(ages, [s_flat[p] for p in ages])[0, 1] < -0.8
+    assert any(s_dec[late] > s_dec[early] for early in range(10) for late in range(40, 55))
+    assert all(s_dec[p] < s_flat[p] for p in range(30))
+
+
+@given(st.data())
+def test_greedy_absorb_equals_steps_without_eviction(data):
+    """Below budget a greedy chunk is the N steps: same slots, rows and positions."""
+    cfg = data.draw(configs(scoring="key", prefill="greedy"))
+    shape = data.draw(shapes(max_d=16))
+    stream = data.draw(streams(shape, max_len=cfg.budget, decay=cfg.decay))
+    k, v = mx.array(stream.keys), mx.array(stream.values)
+    T = k.shape[2]
+    stepped = init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32)
+    for t in range(T):
+        stepped = step(stepped, k[:, :, t : t + 1], v[:, :, t : t + 1], cfg)
+    chunked = absorb(init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32), k, v, cfg)
+    for field in ("keys", "values", "positions", "length", "seen"):
+        assert mx.array_equal(getattr(stepped, field), getattr(chunked, field)), field
+    # scores: the same sums, reassociated (one weight pass vs T passes): float32 rounding only
+    np.testing.assert_allclose(np.array(chunked.scores), np.array(stepped.scores), rtol=1e-5, atol=1e-6)
+
+
+@given(st.data())
+def test_bottom_k_equals_k_single_evictions(data):
+    """evict_lowest(k) frees exactly what k successive protected_argmin calls free."""
+    C = data.draw(st.integers(1, 40))
+    n_sink, grace = data.draw(st.integers(0, 5)), data.draw(st.integers(0, 5))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
+    s = rng.choice([0.0, -0.0, 0.25, 0.5, 1.0, np.inf, -np.inf, np.nan], size=(2, 3, C))
+    s = s.astype(np.float32)
+    p = np.stack([rng.permutation(C) for _ in range(6)]).reshape(2, 3, C).astype(np.int32)
+    p = np.where(rng.random((2, 3, C)) < 0.2, -1, p).astype(np.int32)
+    newest, k = mx.array(C - 1, dtype=mx.int32), data.draw(st.integers(0, C))
+    scores_, positions = mx.array(s), mx.array(p)
+    gone = np.zeros((2, 3, C), bool)
+    for _ in range(k):
+        slot = np.array(protected_argmin(scores_, positions, newest, n_sink, grace))
+        for b in range(2):
+            for h in range(3):
+                if slot[b, h] >= 0:
+                    gone[b, h, slot[b, h]] = True
+        positions = mx.array(np.where(gone, -1, p).astype(np.int32))
+    batch = np.array(evict_lowest(mx.array(s), mx.array(p), mx.array(k), newest, n_sink, grace))
+    assert (batch == gone).all()
+
+
+@pytest.mark.parametrize("prefill", ["greedy", "oneshot"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_keys_keep_the_invariants(prefill, bad):
+    """NaN/inf keys give non-finite weights; they count as 0 and scores stay finite >= 0."""
+    cfg = H2OConfig(budget=8, n_sink=2, grace=2, prefill=prefill)
+    keys = make_stream((1, 2, 4), 40, seed=7, style="normal", scale=1.0).keys
+    keys[:, :, 5, 1] = bad
+    keys[:, 1, 20:23] = bad
+    k = mx.array(keys)
+    state = run_steps(cfg, keys)
+    chunked = init(cfg, 1, 2, 4, dtype=mx.float32)
+    for start in range(0, 40, 7):
+        chunked = absorb(chunked, k[:, :, start : start + 7], k[:, :, start : start + 7], cfg)
+        assert_invariants(chunked, cfg)
+    assert kept(state)[0][0][-2:] == [38, 39]
+
+
+@pytest.mark.parametrize("prefill", ["greedy", "oneshot"])
+def test_non_finite_and_negative_query_weights_count_as_zero(prefill):
+    cfg = H2OConfig(budget=6, n_sink=1, grace=1, scoring="query", prefill=prefill)
+    state = init(cfg, 1, 1, 2, dtype=mx.float32)
+    for t in range(12):
+        w = np.full((1, 1, 1, cfg.capacity + 1), [np.nan, np.inf, -1.0, 0.5][t % 4], np.float32)
+        k = mx.ones((1, 1, 1, 2))
+        state = absorb(state, k, k, cfg, weights=mx.array(w))
+        assert_invariants(state, cfg)
+    assert float(mx.max(state.scores).item()) < 2.0
+
+
+def test_query_decode_building_blocks_equal_absorb_of_one_token():
+    """admit -> accumulate(weights over slots) -> evict is absorb(weights) for N = 1."""
+    cfg = H2OConfig(budget=5, n_sink=1, grace=1, decay=0.9, scoring="query")
+    rng = np.random.default_rng(0)
+    a = b = init(cfg, 1, 2, 3, dtype=mx.float32)
+    for t in range(15):
+        k = mx.array(rng.standard_normal((1, 2, 1, 3)).astype(np.float32))
+        w = rng.random((1, 2, 1, cfg.capacity + 1)).astype(np.float32)
+        a = absorb(a, k, k, cfg, weights=mx.array(w))
+        admitted = admit(b, k, k)
+        slot = np.argmax(np.array(admitted.positions) == t, axis=-1)  # where the token landed
+        over_slots = w[:, :, 0, : cfg.capacity].copy()
+        over_slots[0, np.arange(2), slot[0]] = w[0, :, 0, cfg.capacity]
+        b = evict(accumulate(admitted, mx.array(over_slots), cfg), cfg)
+        assert kept(a) == kept(b)
+        for sa, sb in zip(scores(a)[0], scores(b)[0]):
+            assert sa.keys() == sb.keys()
+            np.testing.assert_allclose([sa[p] for p in sa], [sb[p] for p in sa], rtol=1e-6)
+
+
+def test_a_4000_token_absorb_below_budget_completes():
+    cfg = H2OConfig(budget=4096, n_sink=4, grace=16)
+    keys = make_stream((1, 2, 16), 4000, seed=11, style="normal", scale=1.0).keys
+    k = mx.array(keys).astype(mx.float16)
+    for prefill in ("greedy", "oneshot"):
+        c = cfg._replace(prefill=prefill)
+        state = absorb(init(c, 1, 2, 16), k, k, c)
+        mx.eval(state)
+        assert int(state.length.item()) == 4000 and int(state.seen.item()) == 4000
+        assert_invariants(state, c)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(budget=0), "budget"),
+        (dict(budget=-3), "budget"),
+        (dict(n_sink=-1), "n_sink"),
+        (dict(grace=-1), "grace"),
+        (dict(budget=8, n_sink=4, grace=4), "n_sink + grace"),
+        (dict(decay=0.0), "decay"),
+        (dict(decay=1.5), "decay"),
+        (dict(decay=float("nan")), "decay"),
+        (dict(scoring="value"), "scoring"),
+        (dict(prefill="lazy"), "prefill"),
+        (dict(budget=8.0), "budget"),
+    ],
+)
+def test_bad_configs_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field.replace("+", r"\+")):
+        H2OConfig(**kwargs)
+
+
+def test_replace_validates_too():
+    with pytest.raises(ValueError, match="grace"):
+        H2OConfig(budget=8)._replace(grace=-2)
+
+
+def test_mismatched_shapes_raise():
+    cfg = H2OConfig(budget=8, n_sink=1, grace=1)
+    state = init(cfg, 1, 2, 4)
+    with pytest.raises(ValueError, match=r"head_dim|D=4"):
+        step(state, mx.zeros((1, 2, 1, 5)), mx.zeros((1, 2, 1, 5)), cfg)
+    with pytest.raises(ValueError, match="H=2"):
+        absorb(state, mx.zeros((1, 3, 2, 4)), mx.zeros((1, 3, 2, 4)), cfg)
+    with pytest.raises(ValueError, match="empty chunk"):
+        absorb(state, mx.zeros((1, 2, 0, 4)), mx.zeros((1, 2, 0, 4)), cfg)
+    with pytest.raises(ValueError, match="1 token"):
+        step(state, mx.zeros((1, 2, 3, 4)), mx.zeros((1, 2, 3, 4)), cfg)
+    with pytest.raises(ValueError, match="scoring"):
+        absorb(state, mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)), cfg, weights=mx.zeros((1, 2, 1, 10)))
+    q = cfg._replace(scoring="query")
+    with pytest.raises(ValueError, match="scoring"):
+        absorb(state, mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)), q)
+    with pytest.raises(ValueError, match=r"expected \(1, 2, 1, 10\)"):
+        absorb(state, mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)), q, weights=mx.zeros((1, 2, 1, 9)))
+    with pytest.raises(ValueError, match="'key'"):
+        step(state, mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)), q)

@@ -1,0 +1,72 @@
+"""A RuleBasedStateMachine mixing step / absorb / admit-accumulate-evict against the reference."""
+
+import mlx.core as mx
+import numpy as np
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from h2o_fn import H2OConfig, absorb, accumulate, admit, check_invariants, evict, init, key_weights, step
+from h2o_fn import reference as ref
+
+from helpers import assert_matches, core_weights
+from strategies import MILD_DECAY, configs, shapes
+
+
+class H2OMachine(RuleBasedStateMachine):
+    """One config per run; every rule is applied to the core and to the reference."""
+
+    @initialize(cfg=configs(max_budget=24), shape=shapes(max_d=8), seed=st.integers(0, 2**31 - 1),
+                tied=st.booleans())
+    def setup(self, cfg, shape, seed, tied):
+        self.cfg, self.shape = cfg, shape
+        self.rng = np.random.default_rng(seed)
+        self.tied = tied and cfg.decay >= MILD_DECAY  # see strategies.py on degenerate keys
+        self.state = init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32)
+        self.rstate = ref.init(cfg, shape.B, shape.H, shape.D)
+
+    def tokens(self, n):
+        B, H, D = self.shape
+        if self.tied:
+            k = self.rng.integers(-1, 2, (B, H, n, D)).astype(np.float32)
+        else:
+            k = self.rng.standard_normal((B, H, n, D)).astype(np.float32)
+        return k, self.rng.standard_normal((B, H, n, D)).astype(np.float32)
+
+    @precondition(lambda self: self.cfg.scoring == "key")
+    @rule()
+    def step_one(self):
+        k, v = self.tokens(1)
+        self.state = step(self.state, mx.array(k), mx.array(v), self.cfg)
+        self.rstate = ref.step(self.rstate, k, v, self.cfg)
+
+    @rule(n=st.integers(1, 30), prefill=st.sampled_from(["greedy", "oneshot"]))
+    def absorb_chunk(self, n, prefill):
+        cfg = self.cfg._replace(prefill=prefill)
+        k, v = self.tokens(n)
+        pw = cw = None
+        if cfg.scoring == "query":
+            B, H, _ = self.shape
+            pw = self.rng.random((B, H, n, self.rstate.seen + n)).astype(np.float32)
+            cw = core_weights(self.state, pw, cfg.capacity)
+        self.state = absorb(self.state, mx.array(k), mx.array(v), cfg, weights=cw)
+        self.rstate = ref.absorb(self.rstate, k, v, cfg, weights=pw)
+
+    @precondition(lambda self: self.cfg.scoring == "key")
+    @rule()
+    def admit_accumulate_evict(self):
+        """step's parts composed by hand, with evict applied twice (idempotent)."""
+        k, v = self.tokens(1)
+        w = key_weights(self.state, mx.array(k))[..., 0, :]
+        s = accumulate(admit(self.state, mx.array(k), mx.array(v)), w, self.cfg)
+        self.state = evict(evict(s, self.cfg), self.cfg)
+        self.rstate = ref.evict(ref.step(self.rstate, k, v, self.cfg), self.cfg)
+
+    @invariant()
+    def agrees_and_sound(self):
+        if hasattr(self, "state"):
+            assert check_invariants(self.state, self.cfg) == []
+            assert_matches(self.state, self.rstate, where=str(self.cfg))
+
+
+TestH2OMachine = H2OMachine.TestCase
+TestH2OMachine.settings = settings(settings.get_profile(settings._current_profile), stateful_step_count=25)
