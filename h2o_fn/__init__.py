@@ -17,6 +17,7 @@ from .core import (
     kept_positions,
     key_weights,
     protected_argmin,
+    rewind,
     step,
 )
 from .invariants import assert_invariants, check_invariants
@@ -38,5 +39,6 @@ __all__ = [
     "key_weights",
     "protected_argmin",
     "remap",
+    "rewind",
     "step",
 ]

@@ -211,6 +211,22 @@ def absorb(
     return _absorb_greedy(state, keys, values, config, weights, argmin)
 
 
+def rewind(state: H2OState, n: int) -> H2OState:
+    """Forget the n newest tokens; only meaningful while nothing has been evicted.
+
+    Their slots are freed (they are the last n of the valid prefix). The scores of
+    the tokens that stay keep the mass the forgotten tokens gave them: under decay
+    it cannot be subtracted exactly.
+    """
+    gone = state.positions >= state.seen - n
+    return state._replace(
+        scores=mx.where(gone, 0.0, state.scores),
+        positions=mx.where(gone, -1, state.positions),
+        length=state.length - n,
+        seen=state.seen - n,
+    )
+
+
 def kept_positions(state: H2OState) -> mx.array:
     """Kept positions per (b, h), ascending, padded with -1 at the end: `[B, H, C]` int32."""
     p = mx.sort(mx.where(state.positions < 0, INT32_MAX, state.positions), axis=-1)
