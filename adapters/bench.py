@@ -21,9 +21,10 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from h2o_fn import H2OConfig, compiled_step, init, step
+from h2o_fn import compiled_step, step
 
 from .blas import blas_report, reexec_with_openblas
+from .cli import config_for
 from .evaluate import corpus_tokens
 from .gguf import load_gguf
 from .mlx_lm import H2OKVCache, make_h2o_cache
@@ -46,7 +47,7 @@ def bench_update(budgets, H=3, D=64, repeats=200) -> list:
     rows = []
     rand = lambda n: mx.random.normal((1, H, n, D))
     for budget in budgets:
-        cfg = H2OConfig(budget=budget, n_sink=4, grace=16)
+        cfg = config_for(budget)
         context = rand(budget)
         tok = rand(1)
         mx.eval(context, tok)
@@ -123,9 +124,9 @@ def caches_at(model, budget: int):
     return {
         "full KVCache": lambda: [KVCache() for _ in model.layers],
         f"RotatingKVCache({budget}, keep=4)": lambda: [RotatingKVCache(max_size=budget, keep=4) for _ in model.layers],
-        f"H2O key ({budget})": lambda: make_h2o_cache(model, H2OConfig(budget=budget, prefill="oneshot")),
-        f"H2O query ({budget})": lambda: make_h2o_cache(model, H2OConfig(budget=budget, scoring="query",
-                                                                         prefill="oneshot")),
+        f"H2O key ({budget})": lambda: make_h2o_cache(model, config_for(budget, prefill="oneshot")),
+        f"H2O query ({budget})": lambda: make_h2o_cache(model, config_for(budget, scoring="query",
+                                                                          prefill="oneshot")),
     }
 
 
@@ -147,10 +148,10 @@ def bench_prefill(model, tokens, budget, chunk, repeats) -> list:
     rows = []
     variants = {
         "full KVCache": lambda: [KVCache() for _ in model.layers],
-        f"H2O key greedy ({budget})": lambda: make_h2o_cache(model, H2OConfig(budget=budget, prefill="greedy")),
-        f"H2O key oneshot ({budget})": lambda: make_h2o_cache(model, H2OConfig(budget=budget, prefill="oneshot")),
+        f"H2O key greedy ({budget})": lambda: make_h2o_cache(model, config_for(budget, prefill="greedy")),
+        f"H2O key oneshot ({budget})": lambda: make_h2o_cache(model, config_for(budget, prefill="oneshot")),
         f"H2O query oneshot ({budget})": lambda: make_h2o_cache(
-            model, H2OConfig(budget=budget, scoring="query", prefill="oneshot")),
+            model, config_for(budget, scoring="query", prefill="oneshot")),
     }
     for name, make in variants.items():
         sec = min(fill(model, make(), tokens, chunk) for _ in range(repeats))

@@ -37,6 +37,11 @@ def add_policy_flags(parser: argparse.ArgumentParser) -> None:
                         help="chunks token by token, or one weight pass per chunk")
 
 
+def config_for(budget: int, **changes) -> H2OConfig:
+    """The defaults at any budget: grace shrinks to budget // 4 below 64 so the config stays valid."""
+    return H2OConfig(budget=budget, n_sink=4, grace=min(16, budget // 4), decay=0.98)._replace(**changes)
+
+
 def policy(args) -> H2OConfig:
     return H2OConfig(budget=args.budget, n_sink=args.n_sink, grace=args.grace, decay=args.decay,
                      scoring=args.scoring, prefill=args.prefill)

