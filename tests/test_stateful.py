@@ -5,7 +5,7 @@ import numpy as np
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from h2o_fn import H2OConfig, absorb, accumulate, admit, check_invariants, evict, init, key_weights, step
+from h2o_fn import absorb, accumulate, admit, check_invariants, evict, init, key_weights, step
 from h2o_fn import reference as ref
 
 from helpers import assert_matches, core_weights
