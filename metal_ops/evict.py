@@ -78,26 +78,19 @@ CUDA_HEADER = """
 """
 
 
+def _make(factory, header: str):
+    return factory(name=NAME, input_names=list(INPUT_NAMES), output_names=list(OUTPUT_NAMES),
+                   source=BODY, header=header)
+
+
 def make_metal_kernel():
     """A new `mx.fast.metal_kernel` for `BODY` (builds without Metal; runs only with it)."""
-    return mx.fast.metal_kernel(
-        name=NAME,
-        input_names=list(INPUT_NAMES),
-        output_names=list(OUTPUT_NAMES),
-        source=BODY,
-        header=METAL_HEADER,
-    )
+    return _make(mx.fast.metal_kernel, METAL_HEADER)
 
 
 def make_cuda_kernel():
     """A new `mx.fast.cuda_kernel` for `BODY` (raises where MLX has no CUDA back-end)."""
-    return mx.fast.cuda_kernel(
-        name=NAME,
-        input_names=list(INPUT_NAMES),
-        output_names=list(OUTPUT_NAMES),
-        source=BODY,
-        header=CUDA_HEADER,
-    )
+    return _make(mx.fast.cuda_kernel, CUDA_HEADER)
 
 
 @functools.lru_cache(maxsize=None)
