@@ -77,13 +77,18 @@ def _by_kv_head(mask: mx.array, H: int, rep: int) -> mx.array:
     return mx.expand_dims(mask, -3) if mask.ndim >= 3 else mask
 
 
-def _hook(original):
+REDUCE = {"mean": mx.mean, "max": mx.max}  # over the query heads sharing a KV head
+
+
+def _hook(original, reduce: str):
+    combine = REDUCE[reduce]
+
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         if isinstance(cache, H2OKVCache) and cache.wants_weights:
             out, weights = attention_with_weights(queries, keys, values, scale, mask, sinks)
             B, Hq, N, L = weights.shape
             H = keys.shape[1]
-            cache.receive_weights(weights.reshape(B, H, Hq // H, N, L).mean(axis=2))
+            cache.receive_weights(combine(weights.reshape(B, H, Hq // H, N, L), axis=2))
             return out
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
@@ -97,12 +102,18 @@ def _model_modules(model: nn.Module):
     return [sys.modules[n] for n in sorted(names) if n in sys.modules and hasattr(sys.modules[n], NAME)]
 
 
-def install_query_hook(model: nn.Module) -> int:
+def install_query_hook(model: nn.Module, reduce: str = "mean") -> int:
     """Hook the attention call of every module the model's layers come from. Idempotent.
+
+    `reduce` combines the weights of the query heads that share a KV head (GQA):
+    "mean" (DESIGN.md) or "max" (an ablation in BENCHMARKS.md). A module already
+    hooked keeps its hook: remove it first to change `reduce`.
 
     Returns the number of modules hooked. Raises if the model never calls
     `mlx_lm.models.base.scaled_dot_product_attention` (true-query scoring cannot see it).
     """
+    if reduce not in REDUCE:
+        raise ValueError(f"reduce={reduce!r} is invalid: expected one of {sorted(REDUCE)}")
     modules = _model_modules(model)
     if not modules:
         raise ValueError(
@@ -112,7 +123,7 @@ def install_query_hook(model: nn.Module) -> int:
     for module in modules:
         fn = getattr(module, NAME)
         if not hasattr(fn, "h2o_original"):
-            setattr(module, NAME, _hook(fn))
+            setattr(module, NAME, _hook(fn, reduce))
     return len(modules)
 
 

@@ -19,14 +19,14 @@ from mlx_lm.sample_utils import make_sampler
 from h2o_fn import H2OConfig
 
 from .gguf import load_gguf
-from .mlx_lm import H2OKVCache, make_h2o_cache
+from .mlx_lm import DEFAULT_CONFIG, H2OKVCache, make_h2o_cache
 
 DEFAULT_PROMPT = "Explain photosynthesis in detail."
 
 
 def add_policy_flags(parser: argparse.ArgumentParser) -> None:
     """The H2OConfig fields as flags (shared by generate, eval and bench)."""
-    d = H2OConfig()
+    d = DEFAULT_CONFIG
     parser.add_argument("--budget", type=int, default=d.budget, help="tokens kept per layer and head")
     parser.add_argument("--n-sink", type=int, default=d.n_sink, help="first positions never evicted")
     parser.add_argument("--grace", type=int, default=d.grace, help="newest positions never evicted")

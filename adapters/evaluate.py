@@ -32,6 +32,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from h2o_fn import H2OConfig, kept_positions
 
 from .runs import add_run_flags, start_run
+from .attention import install_query_hook, remove_query_hook
 from .cli import build_prompt, config_for, first_divergence
 from .gguf import load_gguf
 from .mlx_lm import make_h2o_cache
@@ -49,7 +50,7 @@ FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
 # ---------------------------------------------------------------- caches
 
 
-def cache_specs(budgets: List[int], ablations: bool, prefills=("greedy",)) -> List[dict]:
+def cache_specs(budgets: List[int], ablations: bool, prefills=("oneshot",)) -> List[dict]:
     """Every cache to compare: name, family, budget, and the H2O config where there is one."""
     specs = [{"name": "full KVCache", "family": "full", "budget": None}]
     for b in budgets:
@@ -146,6 +147,25 @@ def passkey_prompt(tokenizer, depth: float, n_filler: int, key: str) -> List[int
     return filler[:cut] + needle + filler[cut:] + question
 
 
+def sweep(model, tokens, budget: int, chunk: int) -> List[dict]:
+    """True-query oneshot at one budget: decay, grace and the GQA reduction varied one at a time."""
+    base = config_for(budget, scoring="query", prefill="oneshot")
+    variants = [("defaults", base, "mean")]
+    variants += [(f"decay={d}", base._replace(decay=d), "mean") for d in (0.95, 0.99, 0.995, 1.0)]
+    variants += [(f"grace={g}", base._replace(grace=g), "mean") for g in (32, 64)]
+    variants += [("GQA max", base, "max")]
+    rows = []
+    for label, cfg, reduce in variants:
+        remove_query_hook(model)
+        install_query_hook(model, reduce)
+        r = {"name": label, "budget": budget, "config": cfg._asdict(), "gqa": reduce,
+             **streaming_ppl(model, make_h2o_cache(model, cfg), tokens, chunk)}
+        rows.append(r)
+        print(f"sweep {label:20s} budget {budget}  {r['ppl']:.3f}", flush=True)
+    remove_query_hook(model)
+    return rows
+
+
 # ---------------------------------------------------------------- plots
 
 
@@ -213,16 +233,25 @@ def markdown(results: dict) -> str:
         p = results["ppl"]
         full = p["full_ppl"]
         out += [f"## Streaming perplexity: {p['tokens']} tokens of {p['text']}, chunks of {p['chunk']}", "",
-                f"Full KVCache: **{full:.3f}**", "",
-                "| cache | budget | ppl | vs full | seconds |", "|---|---:|---:|---:|---:|"]
+                f"`{p['command']}`", "", f"Full KVCache: **{full:.3f}**", "",
+                "| cache | budget | ppl | vs full | wall s (not a benchmark) |", "|---|---:|---:|---:|---:|"]
         for r in p["rows"]:
             if r["budget"]:
                 out.append(f"| {r['name']} | {r['budget']} | {r['ppl']:.3f} | {100 * (r['ppl'] / full - 1):+.1f}% "
                            f"| {r['seconds']:.1f} |")
         out.append("")
+    if "sweep" in results:
+        w = results["sweep"]
+        out += [f"## Sweep: H2O query oneshot at budget {w['budget']}, one change at a time", "",
+                f"`{w['command']}`", "", f"Full KVCache: {w['full_ppl']:.3f}", "",
+                "| variant | ppl | vs full |", "|---|---:|---:|"]
+        out += [f"| {r['name']} | {r['ppl']:.3f} | {100 * (r['ppl'] / w['full_ppl'] - 1):+.1f}% |"
+                for r in w["rows"]]
+        out.append("")
     if "agree" in results:
         a = results["agree"]
         out += [f"## Generation agreement: {len(a['prompts'])} chat prompts, {a['tokens']} greedy tokens", "",
+                f"`{a['command']}`", "",
                 "Tokens until the first divergence from the full cache (mean over prompts; "
                 f"{a['tokens']} = never diverged), repeated 4-grams (full cache: "
                 f"{a['full_repeat']:.3f}) and the longest single-token run.", "",
@@ -235,7 +264,7 @@ def markdown(results: dict) -> str:
     if "retrieval" in results:
         r = results["retrieval"]
         out += [f"## Pass-key retrieval: {r['context']} tokens, depths {r['depths']}, {r['trials']} keys each",
-                "", "| cache | budget | accuracy |", "|---|---:|---:|"]
+                "", f"`{r['command']}`", "", "| cache | budget | accuracy |", "|---|---:|---:|"]
         for row in r["rows"]:
             out.append(f"| {row['name']} | {row['budget'] or '-'} | {row['accuracy']:.2f} |")
         out.append("")
@@ -245,16 +274,17 @@ def markdown(results: dict) -> str:
 def main(argv=None) -> None:
     argv = list(sys.argv[2:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m h2o_fn eval", description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="*", default=["ppl", "agree", "retrieval", "plots"],
-                        help="any of: ppl agree retrieval plots (default: all)")
+    parser.add_argument("what", nargs="*", default=["ppl", "agree", "retrieval", "plots", "sweep"],
+                        help="any of: ppl agree retrieval plots sweep (default: all)")
     add_run_flags(parser, "results/eval")
     parser.add_argument("--tokens", type=int, default=2048, help="perplexity text length")
     parser.add_argument("--text-file", default=None, help="perplexity text (default: pydoc topics)")
     parser.add_argument("--chunk", type=int, default=16)
     parser.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512])
-    parser.add_argument("--prefills", nargs="+", default=["greedy"], choices=["greedy", "oneshot"],
-                        help="H2O prefill modes to compare in ppl")
+    parser.add_argument("--prefills", nargs="+", default=["greedy", "oneshot"], choices=["greedy", "oneshot"],
+                        help="H2O prefill modes to compare in ppl (agree and retrieval use oneshot)")
     parser.add_argument("--no-ablations", action="store_true")
+    parser.add_argument("--sweep-budget", type=int, default=512)
     parser.add_argument("--gen-tokens", type=int, default=160)
     parser.add_argument("--gen-budgets", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
@@ -264,7 +294,9 @@ def main(argv=None) -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--map-steps", type=int, default=200)
     args = parser.parse_args(argv)
-    out, results = start_run("eval", argv, args)
+    out, header = start_run("eval", argv, args)
+    previous = out / "eval.json"  # sections from earlier runs stay unless this run redoes them
+    results = {**(json.loads(previous.read_text()) if previous.exists() else {}), **header}
     model, tokenizer = load_gguf(args.model, dequantize=not args.quantized)
 
     if "ppl" in args.what:
@@ -276,10 +308,16 @@ def main(argv=None) -> None:
             print(f"ppl  {r['name']:40s} budget {str(r['budget']):>5s}  {r['ppl']:9.3f}  ({r['seconds']:.0f}s)",
                   flush=True)
         full = rows[0]["ppl"]
-        results["ppl"] = {"tokens": args.tokens, "chunk": args.chunk, "full_ppl": full, "rows": rows,
+        results["ppl"] = {"command": header["command"], "tokens": args.tokens, "chunk": args.chunk, "full_ppl": full, "rows": rows,
                           "text": args.text_file or "pydoc_data.topics"}
         if "plots" in args.what:
             plot_ppl(rows, full, out / "ppl_vs_budget.png")
+
+    if "sweep" in args.what:
+        tokens = corpus_tokens(tokenizer, args.tokens, args.text_file)
+        full = streaming_ppl(model, [KVCache() for _ in model.layers], tokens, args.chunk)["ppl"]
+        results["sweep"] = {"command": header["command"], "budget": args.sweep_budget, "full_ppl": full,
+                            "rows": sweep(model, tokens, args.sweep_budget, args.chunk)}
 
     if "agree" in args.what:
         prompts = [build_prompt(tokenizer, p, True) for p in PROMPTS[: args.prompts]]
@@ -298,7 +336,7 @@ def main(argv=None) -> None:
                          "samples": [tokenizer.decode(o) for o in outs]})
             print(f"agree {rows[-1]['name']:40s} budget {spec['budget']:5d}  {agree}  "
                   f"repeat {rows[-1]['repeat_mean']:.3f}", flush=True)
-        results["agree"] = {"tokens": args.gen_tokens, "prompts": PROMPTS[: args.prompts], "rows": rows,
+        results["agree"] = {"command": header["command"], "tokens": args.gen_tokens, "prompts": PROMPTS[: args.prompts], "rows": rows,
                             "full_repeat": sum(map(repeated_4grams, fulls)) / len(fulls),
                             "full_samples": [tokenizer.decode(f) for f in fulls]}
 
@@ -314,7 +352,7 @@ def main(argv=None) -> None:
                                       for d in args.depths}})
             print(f"passkey {spec['name']:38s} budget {str(spec['budget']):>5s}  {rows[-1]['accuracy']:.2f}",
                   flush=True)
-        results["retrieval"] = {"context": len(cases[0][2]), "depths": args.depths, "trials": args.trials,
+        results["retrieval"] = {"command": header["command"], "context": len(cases[0][2]), "depths": args.depths, "trials": args.trials,
                                 "rows": rows}
 
     if "plots" in args.what:
@@ -325,7 +363,7 @@ def main(argv=None) -> None:
                 f"defaults (n_sink=4, grace={config_for(b).grace}, decay=0.98), budget {b}":
                     kept_map(model, tokenizer, config_for(b), args.map_steps, layer)}
         plot_kept(maps, out / "kept_positions.png")
-        results["kept_map"] = {"layer": layer, "head": 0, "final": {k: v[-1] for k, v in maps.items()}}
+        results["kept_map"] = {"command": header["command"], "layer": layer, "head": 0, "final": {k: v[-1] for k, v in maps.items()}}
 
     (out / "eval.json").write_text(json.dumps(results, indent=1))
     (out / "eval.md").write_text(markdown(results))

@@ -267,16 +267,23 @@ class H2OKVCache(_BaseCache):
 # mlx-lm's load_prompt_cache looks classes up by name in its cache module
 mlx_cache.H2OKVCache = H2OKVCache
 
+# What make_h2o_cache uses without a config, chosen from BENCHMARKS.md (quality first,
+# then speed): true-query scoring and oneshot prefill gave the lowest streaming
+# perplexity at every budget; oneshot is also the faster prefill.
+DEFAULT_CONFIG = H2OConfig(scoring="query", prefill="oneshot")
 
-def make_h2o_cache(model: nn.Module, config: Optional[H2OConfig] = None, argmin=protected_argmin) -> List[Any]:
+
+def make_h2o_cache(
+    model: nn.Module, config: Optional[H2OConfig] = None, argmin=protected_argmin
+) -> List[Any]:
     """The per-layer cache list for `prompt_cache=` in mlx-lm's generate functions.
 
     Full-attention layers (mlx-lm's plain `KVCache`) get an `H2OKVCache`;
     sliding-window and recurrent layers keep the model's own cache. With
-    `scoring="query"` the attention hook is installed on the model
-    (`h2o_fn.adapters.attention.remove_query_hook(model)` takes it off).
+    `scoring="query"` (the default: `DEFAULT_CONFIG`) the attention hook is installed
+    on the model (`h2o_fn.adapters.attention.remove_query_hook(model)` takes it off).
     """
-    config = config or H2OConfig()
+    config = config or DEFAULT_CONFIG
     caches = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
     out = [H2OKVCache(config, argmin) if type(c) is KVCache else c for c in caches]
     if not any(isinstance(c, H2OKVCache) for c in out):

@@ -66,7 +66,7 @@ class H2OConfig(_Fields):
         grace: int = 16,
         decay: float = 0.98,
         scoring: str = "key",
-        prefill: str = "greedy",
+        prefill: str = "oneshot",
     ):
         _validate(budget, n_sink, grace, decay, scoring, prefill)
         return super().__new__(cls, budget, n_sink, grace, float(decay), scoring, prefill)

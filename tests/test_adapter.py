@@ -9,7 +9,7 @@ from mlx_lm.models.cache import (KVCache, RotatingKVCache, can_trim_prompt_cache
                                  save_prompt_cache, trim_prompt_cache)
 
 from h2o_fn import H2OConfig, absorb, assert_invariants, init, kept_positions, step
-from h2o_fn.adapters.attention import attention_with_weights, is_hooked, remove_query_hook
+from h2o_fn.adapters.attention import attention_with_weights, install_query_hook, is_hooked, remove_query_hook
 from h2o_fn.adapters.mlx_lm import H2OKVCache, make_h2o_cache
 
 from tiny_models import ARCHS, tiny_model
@@ -205,6 +205,17 @@ def test_hook_is_reversible_and_falls_through_for_other_caches():
     remove_query_hook(model)
     assert not is_hooked(model)
     assert mx.array_equal(hooked, run(model, [KVCache() for _ in model.layers]))
+
+
+def test_max_reduction_hook_and_bad_reduce():
+    model = tiny_model("llama")
+    install_query_hook(model, "max")
+    cache = make_h2o_cache(model, H2OConfig(budget=8, n_sink=1, grace=2, scoring="query"))
+    run(model, cache)
+    assert_invariants(cache[0].core_state, cache[0].config)
+    remove_query_hook(model)
+    with pytest.raises(ValueError, match="reduce='sum'"):
+        install_query_hook(model, "sum")
 
 
 # ---------------------------------------------------------------- bad input

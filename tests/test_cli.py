@@ -36,9 +36,11 @@ def test_generate_with_compare():
 def test_eval_tiny(tmp_path):
     h2o_fn("eval", "--tokens", "40", "--budgets", "24", "--gen-budgets", "24", "--gen-tokens", "6",
            "--prompts", "1", "--passkey-context", "40", "--passkey-budgets", "24", "--depths", "0.5",
-           "--trials", "1", "--map-steps", "4", "--no-openblas", "--quantized", "--out", str(tmp_path))
+           "--trials", "1", "--map-steps", "4", "--sweep-budget", "24", "--no-openblas", "--quantized",
+           "--out", str(tmp_path))
     results = json.loads((tmp_path / "eval.json").read_text())
-    assert {"ppl", "agree", "retrieval", "kept_map"} <= results.keys()
+    assert {"ppl", "agree", "retrieval", "kept_map", "sweep"} <= results.keys()
+    assert {r["gqa"] for r in results["sweep"]["rows"]} == {"mean", "max"}
     names = {r["name"] for r in results["ppl"]["rows"]}
     assert {"full KVCache", "RotatingKVCache keep=4", "H2O key", "H2O query"} <= names
     assert all(r["ppl"] > 1 for r in results["ppl"]["rows"])
