@@ -19,7 +19,7 @@ from h2o_fn import (
 )
 from h2o_fn.core import evict_lowest
 
-from helpers import kept, scores
+from helpers import core_weights, kept, scores
 from strategies import configs, make_stream, shapes, streams
 
 
@@ -147,19 +147,19 @@ def test_non_finite_and_negative_query_weights_count_as_zero(prefill):
     assert float(mx.max(state.scores).item()) < 2.0
 
 
-def test_query_decode_building_blocks_equal_absorb_of_one_token():
+@pytest.mark.parametrize("prefill", ["greedy", "oneshot"])
+def test_query_decode_building_blocks_equal_absorb_of_one_token(prefill):
     """admit -> accumulate(weights over slots) -> evict is absorb(weights) for N = 1."""
-    cfg = H2OConfig(budget=5, n_sink=1, grace=1, decay=0.9, scoring="query")
+    cfg = H2OConfig(budget=5, n_sink=1, grace=1, decay=0.9, scoring="query", prefill=prefill)
     rng = np.random.default_rng(0)
     a = b = init(cfg, 1, 2, 3, dtype=mx.float32)
     for t in range(15):
         k = mx.array(rng.standard_normal((1, 2, 1, 3)).astype(np.float32))
-        w = rng.random((1, 2, 1, cfg.capacity + 1)).astype(np.float32)
-        a = absorb(a, k, k, cfg, weights=mx.array(w))
+        by_position = rng.random((1, 2, 1, t + 1)).astype(np.float32)  # query t's weight on each position
+        a = absorb(a, k, k, cfg, weights=core_weights(a, by_position, cfg.capacity))
         admitted = admit(b, k, k)
-        slot = np.argmax(np.array(admitted.positions) == t, axis=-1)  # where the token landed
-        over_slots = w[:, :, 0, : cfg.capacity].copy()
-        over_slots[0, np.arange(2), slot[0]] = w[0, :, 0, cfg.capacity]
+        pos = np.array(admitted.positions)
+        over_slots = np.where(pos >= 0, np.take_along_axis(by_position[:, :, 0], np.maximum(pos, 0), -1), 0)
         b = evict(accumulate(admitted, mx.array(over_slots), cfg), cfg)
         assert kept(a) == kept(b)
         for sa, sb in zip(scores(a)[0], scores(b)[0]):
