@@ -210,13 +210,13 @@ def plot_kept(maps: Dict[str, List[List[int]]], path: Path) -> None:
     import numpy as np
 
     fig, axes = plt.subplots(1, len(maps), figsize=(5.5 * len(maps), 4.5), sharey=True)
+    width = max(max(r) for rows in maps.values() for r in rows) + 1  # one position axis for all
     for ax, (title, rows) in zip(np.atleast_1d(axes), maps.items()):
-        width = max(max(r) for r in rows) + 1
         img = np.zeros((len(rows), width))
         for i, r in enumerate(rows):
             img[i, r] = 1
         ax.imshow(img, aspect="auto", origin="lower", cmap="Greys", interpolation="nearest")
-        ax.set_xlabel("token position")
+        ax.set_xlabel("token position (black: kept)")
         ax.set_title(title, fontsize=9)
     np.atleast_1d(axes)[0].set_ylabel("decode step")
     fig.tight_layout()
