@@ -96,7 +96,7 @@ def _hook(original, reduce: str):
     return scaled_dot_product_attention
 
 
-def _model_modules(model: nn.Module):
+def model_modules(model: nn.Module):
     """The Python modules defining the model's layers that import the attention function."""
     names = {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
     return [sys.modules[n] for n in sorted(names) if n in sys.modules and hasattr(sys.modules[n], NAME)]
@@ -114,7 +114,7 @@ def install_query_hook(model: nn.Module, reduce: str = "mean") -> int:
     """
     if reduce not in REDUCE:
         raise ValueError(f"reduce={reduce!r} is invalid: expected one of {sorted(REDUCE)}")
-    modules = _model_modules(model)
+    modules = model_modules(model)
     if not modules:
         raise ValueError(
             f"{type(model).__name__} does not call mlx_lm.models.base.{NAME}: "
@@ -129,13 +129,13 @@ def install_query_hook(model: nn.Module, reduce: str = "mean") -> int:
 
 def remove_query_hook(model: nn.Module) -> None:
     """Put the original attention function back in the model's modules."""
-    for module in _model_modules(model):
+    for module in model_modules(model):
         fn = getattr(module, NAME)
         if hasattr(fn, "h2o_original"):
             setattr(module, NAME, fn.h2o_original)
 
 
 def is_hooked(model: nn.Module) -> bool:
-    return any(hasattr(getattr(m, NAME), "h2o_original") for m in _model_modules(model))
+    return any(hasattr(getattr(m, NAME), "h2o_original") for m in model_modules(model))
 
 

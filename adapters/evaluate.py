@@ -32,7 +32,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from h2o_fn import H2OConfig, kept_positions
 
 from .runs import add_run_flags, start_run
-from .attention import install_query_hook, remove_query_hook
+from .attention import attention_with_weights, install_query_hook, model_modules, remove_query_hook
 from .cli import build_prompt, config_for, first_divergence
 from .gguf import load_gguf
 from .mlx_lm import make_h2o_cache
@@ -166,6 +166,33 @@ def sweep(model, tokens, budget: int, chunk: int) -> List[dict]:
     return rows
 
 
+def oracle_mass(model, tokens, budgets, start: int) -> List[dict]:
+    """Attention mass the best k keys capture, per query, with the full cache (an upper bound).
+
+    One forward pass over `tokens` with explicit attention; for every query at
+    position >= start and every layer, the share of its attention mass on its own
+    top-k keys. Any cache that keeps k tokens captures at most this (H2O keeps one
+    set for all later queries, so less).
+    """
+    stats = []
+    original = {m: m.scaled_dot_product_attention for m in model_modules(model)}
+
+    def recording(queries, keys, values, cache, scale, mask, sinks=None):
+        out, w = attention_with_weights(queries, keys, values, scale, mask, sinks)
+        top = mx.cumsum(mx.sort(w[:, :, start:], axis=-1)[..., ::-1], axis=-1)  # [B, Hq, N', L]
+        stats.append([top[..., k - 1].mean().item() for k in budgets])
+        return out
+
+    try:
+        for m in original:
+            m.scaled_dot_product_attention = recording
+        model(mx.array(tokens)[None], cache=[KVCache() for _ in model.layers])
+    finally:
+        for m, fn in original.items():
+            m.scaled_dot_product_attention = fn
+    return [{"layer": i, **{str(k): v for k, v in zip(budgets, row)}} for i, row in enumerate(stats)]
+
+
 # ---------------------------------------------------------------- plots
 
 
@@ -240,6 +267,17 @@ def markdown(results: dict) -> str:
                 out.append(f"| {r['name']} | {r['budget']} | {r['ppl']:.3f} | {100 * (r['ppl'] / full - 1):+.1f}% "
                            f"| {r['seconds']:.1f} |")
         out.append("")
+    if "mass" in results:
+        m = results["mass"]
+        ks = m["budgets"]
+        mean = {k: sum(r[str(k)] for r in m["rows"]) / len(m["rows"]) for k in ks}
+        worst = {k: min(r[str(k)] for r in m["rows"]) for k in ks}
+        out += [f"## Oracle attention mass: the best k keys per query (full cache, queries >= {m['start']})", "",
+                f"`{m['command']}`", "",
+                "Upper bound for any cache keeping k tokens (each query picks its own best k).", "",
+                "| k | mean over layers | worst layer |", "|---:|---:|---:|"]
+        out += [f"| {k} | {mean[k]:.4f} | {worst[k]:.4f} |" for k in ks]
+        out.append("")
     if "sweep" in results:
         w = results["sweep"]
         out += [f"## Sweep: H2O query oneshot at budget {w['budget']}, one change at a time", "",
@@ -274,8 +312,8 @@ def markdown(results: dict) -> str:
 def main(argv=None) -> None:
     argv = list(sys.argv[2:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m h2o_fn eval", description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="*", default=["ppl", "agree", "retrieval", "plots", "sweep"],
-                        help="any of: ppl agree retrieval plots sweep (default: all)")
+    parser.add_argument("what", nargs="*", default=["ppl", "agree", "retrieval", "plots", "sweep", "mass"],
+                        help="any of: ppl agree retrieval plots sweep mass (default: all)")
     add_run_flags(parser, "results/eval")
     parser.add_argument("--tokens", type=int, default=2048, help="perplexity text length")
     parser.add_argument("--text-file", default=None, help="perplexity text (default: pydoc topics)")
@@ -318,6 +356,11 @@ def main(argv=None) -> None:
         full = streaming_ppl(model, [KVCache() for _ in model.layers], tokens, args.chunk)["ppl"]
         results["sweep"] = {"command": header["command"], "budget": args.sweep_budget, "full_ppl": full,
                             "rows": sweep(model, tokens, args.sweep_budget, args.chunk)}
+
+    if "mass" in args.what:
+        tokens = corpus_tokens(tokenizer, args.tokens, args.text_file)
+        results["mass"] = {"command": header["command"], "budgets": args.budgets, "start": args.tokens // 2,
+                           "rows": oracle_mass(model, tokens, args.budgets, args.tokens // 2)}
 
     if "agree" in args.what:
         prompts = [build_prompt(tokenizer, p, True) for p in PROMPTS[: args.prompts]]

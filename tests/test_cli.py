@@ -39,7 +39,7 @@ def test_eval_tiny(tmp_path):
            "--trials", "1", "--map-steps", "4", "--sweep-budget", "24", "--no-openblas", "--quantized",
            "--out", str(tmp_path))
     results = json.loads((tmp_path / "eval.json").read_text())
-    assert {"ppl", "agree", "retrieval", "kept_map", "sweep"} <= results.keys()
+    assert {"ppl", "agree", "retrieval", "kept_map", "sweep", "mass"} <= results.keys()
     assert {r["gqa"] for r in results["sweep"]["rows"]} == {"mean", "max"}
     names = {r["name"] for r in results["ppl"]["rows"]}
     assert {"full KVCache", "RotatingKVCache keep=4", "H2O key", "H2O query"} <= names
