@@ -91,11 +91,16 @@ def key_weights(state: H2OState, queries: mx.array) -> mx.array:
 
     Returns `[B, H, N, C]` float32 softmax weights (0 on free slots; all 0 when S is empty).
     """
+    return _proxy_weights(state.keys, state.positions >= 0, queries)
+
+
+def _proxy_weights(keys: mx.array, visible: mx.array, queries: mx.array) -> mx.array:
+    """softmax over visible slots (`[B, H, C]` bool) of keys . queries / sqrt(D), float32."""
     scale = queries.shape[-1] ** -0.5
-    logits = (queries.astype(mx.float32) * scale) @ state.keys.astype(mx.float32).swapaxes(-1, -2)
-    valid = (state.positions >= 0)[..., None, :]
-    w = mx.softmax(mx.where(valid, logits, -mx.inf), axis=-1, precise=True)
-    return clean_weights(mx.where(valid, w, 0.0))
+    logits = (queries.astype(mx.float32) * scale) @ keys.astype(mx.float32).swapaxes(-1, -2)
+    visible = visible[..., None, :]
+    w = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
+    return clean_weights(mx.where(visible, w, 0.0))
 
 
 def admit(state: H2OState, key: mx.array, value: mx.array) -> H2OState:
@@ -160,9 +165,12 @@ def step(
             "expected 'key' (for 'query' use absorb(..., weights=) or admit/accumulate/evict)"
         )
     _check_chunk(state, key, value, n=1)
-    weights = key_weights(state, key)[..., 0, :]
-    state = accumulate(admit(state, key, value), weights, config)
-    return evict(state, config, argmin)
+    # admit first: the weights then read the written keys (the new token masked out),
+    # so MLX can write the row into the old buffer instead of copying the cache
+    state = admit(state, key, value)
+    older = (state.positions >= 0) & (state.positions < state.seen - 1)
+    weights = _proxy_weights(state.keys, older, key)[..., 0, :]
+    return evict(accumulate(state, weights, config), config, argmin)
 
 
 @functools.lru_cache(maxsize=None)
