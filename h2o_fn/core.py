@@ -72,17 +72,15 @@ def protected_argmin(
     This is the spec of the fused kernel in `h2o_fn.metal_ops`: comparisons only.
     """
     candidate = (positions >= n_sink) & (positions <= newest - grace)
-    key = mx.where(mx.isnan(scores), -mx.inf, scores)
-    lowest = mx.min(mx.where(candidate, key, mx.inf), axis=-1, keepdims=True)
-    tied = candidate & (key == lowest)
-    first = mx.min(mx.where(tied, positions, INT32_MAX), axis=-1, keepdims=True)
-    slot = mx.argmax(tied & (positions == first), axis=-1).astype(mx.int32)
+    key = mx.where(candidate, mx.where(mx.isnan(scores), -mx.inf, scores), mx.inf)
+    tied = candidate & (key == mx.min(key, axis=-1, keepdims=True))
+    slot = mx.argmin(mx.where(tied, positions, INT32_MAX), axis=-1).astype(mx.int32)  # unique positions
     return mx.where(mx.any(candidate, axis=-1), slot, -1)
 
 
 def clean_weights(weights: mx.array) -> mx.array:
     """Weights as float32 with NaN, +-inf and negative entries set to 0."""
-    w = weights.astype(mx.float32)
+    w = _f32(weights)
     return mx.where((w > 0) & (w < mx.inf), w, 0.0)
 
 
@@ -95,12 +93,22 @@ def key_weights(state: H2OState, queries: mx.array) -> mx.array:
 
 
 def _proxy_weights(keys: mx.array, visible: mx.array, queries: mx.array) -> mx.array:
-    """softmax over visible slots (`[B, H, C]` bool) of keys . queries / sqrt(D), float32."""
+    """softmax over visible slots (`[B, H, C]` bool) of keys . queries / sqrt(D), float32.
+
+    Hidden slots get exactly 0 (exp(-inf)); an all-hidden row's NaNs are cleaned to 0.
+    """
     scale = queries.shape[-1] ** -0.5
-    logits = (queries.astype(mx.float32) * scale) @ keys.astype(mx.float32).swapaxes(-1, -2)
-    visible = visible[..., None, :]
-    w = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
-    return clean_weights(mx.where(visible, w, 0.0))
+    logits = (_f32(queries) * scale) @ _f32(keys).swapaxes(-1, -2)
+    w = mx.softmax(mx.where(visible[..., None, :], logits, -mx.inf), axis=-1, precise=True)
+    return mx.nan_to_num(w, nan=0.0)  # softmax gives [0, 1] or NaN (no valid slot, NaN keys)
+
+
+def _as(x: mx.array, dtype) -> mx.array:
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def _f32(x: mx.array) -> mx.array:
+    return _as(x, mx.float32)
 
 
 def admit(state: H2OState, key: mx.array, value: mx.array) -> H2OState:
@@ -109,25 +117,38 @@ def admit(state: H2OState, key: mx.array, value: mx.array) -> H2OState:
     Needs a free slot (`length <= budget`, true after every `step`/`evict`). The
     result may hold budget + 1 tokens: `accumulate` then `evict` finish the step.
     """
+    return _admit(state, key, value)[0]
+
+
+def _admit(state: H2OState, key: mx.array, value: mx.array):
+    """`admit`, also returning the `[B, H, C]` mask of the slots free before it."""
     free = state.positions < 0
     slot = mx.argmax(free, axis=-1)  # [B, H]
     here = mx.arange(state.positions.shape[-1]) == slot[..., None]
     index = slot[..., None, None]
-    return H2OState(
-        keys=mx.put_along_axis(state.keys, index, key.astype(state.keys.dtype), axis=2),
-        values=mx.put_along_axis(state.values, index, value.astype(state.values.dtype), axis=2),
-        scores=mx.where(here, 0.0, state.scores),
+    return H2OState(  # a free slot already scores 0
+        keys=mx.put_along_axis(state.keys, index, _as(key, state.keys.dtype), axis=2),
+        values=mx.put_along_axis(state.values, index, _as(value, state.values.dtype), axis=2),
+        scores=state.scores,
         positions=mx.where(here, state.seen, state.positions),
         length=state.length + 1,
         seen=state.seen + 1,
-    )
+    ), free
 
 
 def accumulate(state: H2OState, weights: mx.array, config: H2OConfig) -> H2OState:
     """Decay then add: s_j <- decay * s_j + w_j on valid slots. `weights` `[B, H, C]`."""
+    return _accumulate_clean(state, clean_weights(weights), config)
+
+
+def _accumulate_clean(state: H2OState, weights: mx.array, config: H2OConfig) -> H2OState:
     valid = state.positions >= 0
-    scores = mx.where(valid, config.decay * state.scores + clean_weights(weights), 0.0)
-    return state._replace(scores=scores)
+    return state._replace(scores=mx.where(valid, config.decay * state.scores + weights, 0.0))
+
+
+def _decay_add(state: H2OState, weights: mx.array, config: H2OConfig) -> H2OState:
+    """decay * s + w where free slots already hold s = 0 and w = 0 (no mask needed)."""
+    return state._replace(scores=config.decay * state.scores + weights)
 
 
 def evict(state: H2OState, config: H2OConfig, argmin: Argmin = protected_argmin) -> H2OState:
@@ -167,10 +188,9 @@ def step(
     _check_chunk(state, key, value, n=1)
     # admit first: the weights then read the written keys (the new token masked out),
     # so MLX can write the row into the old buffer instead of copying the cache
-    state = admit(state, key, value)
-    older = (state.positions >= 0) & (state.positions < state.seen - 1)
-    weights = _proxy_weights(state.keys, older, key)[..., 0, :]
-    return evict(accumulate(state, weights, config), config, argmin)
+    state, free_before = _admit(state, key, value)
+    weights = _proxy_weights(state.keys, ~free_before, key)[..., 0, :]  # over S_{t-1}
+    return evict(_decay_add(state, weights, config), config, argmin)
 
 
 @functools.lru_cache(maxsize=None)
