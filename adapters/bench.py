@@ -93,6 +93,52 @@ def bench_update(budgets, H=3, D=64, repeats=200) -> list:
     return rows
 
 
+# ---------------------------------------------------------------- where a step's time goes
+
+
+def bench_profile(budgets=(512, 4096), layers=30, repeats=60) -> list:
+    """A decode step's parts, compiled, evaluated once per `layers` chained calls (as in a model)."""
+    from h2o_fn import absorb, init
+    from h2o_fn.core import _proxy_weights, admit, evict, protected_argmin
+
+    rows = []
+    for budget in budgets:
+        cfg = config_for(budget)
+        ctx, tok = mx.random.normal((1, 3, budget, 64)), mx.random.normal((1, 3, 1, 64))
+        start = absorb(init(cfg, 1, 3, 64, mx.float32), ctx, ctx, cfg)
+        mx.eval(start, tok)
+        parts = {
+            "call + eval only": lambda s: s._replace(seen=s.seen + 1),
+            "admit (write the row)": lambda s: admit(s, tok, tok),
+            "proxy weights": lambda s: s._replace(scores=_proxy_weights(s.keys, s.positions >= 0, tok)[..., 0, :]),
+            "protected argmin": lambda s: s._replace(
+                positions=s.positions + protected_argmin(s.scores, s.positions, s.seen, cfg.n_sink, cfg.grace)[..., None]),
+            "evict (argmin + free the slot)": lambda s: evict(s._replace(length=s.length + 1), cfg),
+            "step": lambda s: step(s, tok, tok, cfg),
+        }
+        for name, part in parts.items():
+            rows.append({"budget": budget, "part": name, "us_per_layer": _chained(mx.compile(part), start, layers, repeats)})
+        held = []  # an extra reference to the keys: MLX must copy the cache instead of writing in place
+        rows.append({"budget": budget, "part": "step, keys also referenced (forces a copy)",
+                     "us_per_layer": _chained(mx.compile(lambda s: step(s, tok, tok, cfg)), start, layers, repeats,
+                                              hold=held)})
+        print(f"profile budget {budget}: " + "  ".join(f"{r['part']} {r['us_per_layer']:.0f}us"
+                                                    for r in rows if r["budget"] == budget), flush=True)
+    return rows
+
+
+def _chained(fn, start, layers, repeats, hold=None) -> float:
+    states, times = [start] * layers, []
+    for _ in range(repeats):
+        if hold is not None:
+            hold[:] = [s.keys for s in states]
+        t = time.perf_counter()
+        states = [fn(s) for s in states]
+        mx.eval(states)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[5:]) / layers * 1e6
+
+
 # ---------------------------------------------------------------- model decode / prefill
 
 
@@ -167,6 +213,11 @@ def bench_prefill(model, tokens, budget, chunk, repeats) -> list:
 
 def markdown(results: dict) -> str:
     out = [f"# Speed ({results['model']}, weights {results['weights']})", "", results["blas"], ""]
+    if "profile" in results:
+        out += ["## Where a decode step's time goes (compiled, one eval per 30 chained layers)", "",
+                "| budget | part | us per layer |", "|---:|---|---:|"]
+        out += [f"| {r['budget']} | {r['part']} | {r['us_per_layer']:.0f} |" for r in results["profile"]]
+        out.append("")
     if "update" in results:
         out += ["## Per-layer update, one decode token (B=1, H=3, D=64, float32)", "",
                 "| budget | cache | us/call | vs KVCache |", "|---:|---|---:|---:|"]
@@ -192,10 +243,11 @@ def markdown(results: dict) -> str:
 def main(argv=None) -> None:
     argv = list(sys.argv[2:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m h2o_fn bench", description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="*", default=["update", "decode", "prefill"])
+    parser.add_argument("what", nargs="*", default=["update", "profile", "decode", "prefill"])
     add_run_flags(parser, "results/bench")
     parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--profile-budgets", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--steps", type=int, default=24)
@@ -203,9 +255,13 @@ def main(argv=None) -> None:
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--prefill-chunk", type=int, default=2048, help="mlx-lm's default prefill_step_size")
     args = parser.parse_args(argv)
-    out, results = start_run("bench", argv, args)
+    out, header = start_run("bench", argv, args)
+    previous = out / "bench.json"  # sections from earlier runs stay unless this run redoes them
+    results = {**(json.loads(previous.read_text()) if previous.exists() else {}), **header}
     if "update" in args.what:
         results["update"] = bench_update(args.budgets, repeats=args.repeats)
+    if "profile" in args.what:
+        results["profile"] = bench_profile(args.profile_budgets, repeats=max(args.repeats // 4, 6))
     if "decode" in args.what or "prefill" in args.what:
         model, tokenizer = load_gguf(args.model, dequantize=not args.quantized)
         need = max(args.contexts + [args.prefill_tokens]) + 1
