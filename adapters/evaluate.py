@@ -152,7 +152,7 @@ def sweep(model, tokens, budget: int, chunk: int) -> List[dict]:
     base = config_for(budget, scoring="query", prefill="oneshot")
     variants = [("defaults", base, "mean")]
     variants += [(f"decay={d}", base._replace(decay=d), "mean") for d in (0.95, 0.99, 0.995, 1.0)]
-    variants += [(f"grace={g}", base._replace(grace=g), "mean") for g in (32, 64)]
+    variants += [(f"grace={g}", base._replace(grace=g), "mean") for g in (32, 64) if base.n_sink + g < budget]
     variants += [("GQA max", base, "max")]
     rows = []
     for label, cfg, reduce in variants:
