@@ -42,7 +42,7 @@ def test_eval_tiny(tmp_path):
     assert {"ppl", "agree", "retrieval", "kept_map", "sweep", "mass"} <= results.keys()
     assert {r["gqa"] for r in results["sweep"]["rows"]} == {"mean", "max"}
     names = {r["name"] for r in results["ppl"]["rows"]}
-    assert {"full KVCache", "RotatingKVCache keep=4", "H2O key", "H2O query"} <= names
+    assert {"full KVCache", "RotatingKVCache keep=4", "H2O key oneshot", "H2O query greedy"} <= names
     assert all(r["ppl"] > 1 for r in results["ppl"]["rows"])
     assert (tmp_path / "ppl_vs_budget.png").stat().st_size > 1000
     assert (tmp_path / "kept_positions.png").stat().st_size > 1000
