@@ -68,6 +68,7 @@ def bench_update(budgets, H=3, D=64, repeats=200) -> list:
             def go():
                 k, v = cache.update_and_fetch(tok, tok)
                 mx.eval(k, v)
+
             return go
 
         def core_call(fn):
@@ -76,6 +77,7 @@ def bench_update(budgets, H=3, D=64, repeats=200) -> list:
             def go():
                 box[0] = fn(box[0])
                 mx.eval(box[0])
+
             return go
 
         timings = {
@@ -88,8 +90,10 @@ def bench_update(budgets, H=3, D=64, repeats=200) -> list:
         base = timings["KVCache"]
         for name, sec in timings.items():
             rows.append({"budget": budget, "cache": name, "us": sec * 1e6, "vs_kvcache": sec / base})
-        print(f"update budget {budget:5d}: " + "  ".join(f"{n} {s * 1e6:.0f}us" for n, s in timings.items()),
-              flush=True)
+        print(
+            f"update budget {budget:5d}: " + "  ".join(f"{n} {s * 1e6:.0f}us" for n, s in timings.items()),
+            flush=True,
+        )
     return rows
 
 
@@ -110,20 +114,39 @@ def bench_profile(budgets=(512, 4096), layers=30, repeats=60) -> list:
         parts = {
             "call + eval only": lambda s: s._replace(seen=s.seen + 1),
             "admit (write the row)": lambda s: admit(s, tok, tok),
-            "proxy weights": lambda s: s._replace(scores=_proxy_weights(s.keys, s.positions >= 0, tok)[..., 0, :]),
+            "proxy weights": lambda s: s._replace(
+                scores=_proxy_weights(s.keys, s.positions >= 0, tok)[..., 0, :]
+            ),
             "protected argmin": lambda s: s._replace(
-                positions=s.positions + protected_argmin(s.scores, s.positions, s.seen, cfg.n_sink, cfg.grace)[..., None]),
+                positions=s.positions
+                + protected_argmin(s.scores, s.positions, s.seen, cfg.n_sink, cfg.grace)[..., None]
+            ),
             "evict (argmin + free the slot)": lambda s: evict(s._replace(length=s.length + 1), cfg),
             "step": lambda s: step(s, tok, tok, cfg),
         }
         for name, part in parts.items():
-            rows.append({"budget": budget, "part": name, "us_per_layer": _chained(mx.compile(part), start, layers, repeats)})
+            rows.append(
+                {
+                    "budget": budget,
+                    "part": name,
+                    "us_per_layer": _chained(mx.compile(part), start, layers, repeats),
+                }
+            )
         held = []  # an extra reference to the keys: MLX must copy the cache instead of writing in place
-        rows.append({"budget": budget, "part": "step, keys also referenced (forces a copy)",
-                     "us_per_layer": _chained(mx.compile(lambda s: step(s, tok, tok, cfg)), start, layers, repeats,
-                                              hold=held)})
-        print(f"profile budget {budget}: " + "  ".join(f"{r['part']} {r['us_per_layer']:.0f}us"
-                                                    for r in rows if r["budget"] == budget), flush=True)
+        rows.append(
+            {
+                "budget": budget,
+                "part": "step, keys also referenced (forces a copy)",
+                "us_per_layer": _chained(
+                    mx.compile(lambda s: step(s, tok, tok, cfg)), start, layers, repeats, hold=held
+                ),
+            }
+        )
+        print(
+            f"profile budget {budget}: "
+            + "  ".join(f"{r['part']} {r['us_per_layer']:.0f}us" for r in rows if r["budget"] == budget),
+            flush=True,
+        )
     return rows
 
 
@@ -168,10 +191,13 @@ def decode_rate(model, cache, start: int, steps: int) -> float:
 def caches_at(model, budget: int):
     return {
         "full KVCache": lambda: [KVCache() for _ in model.layers],
-        f"RotatingKVCache({budget}, keep=4)": lambda: [RotatingKVCache(max_size=budget, keep=4) for _ in model.layers],
+        f"RotatingKVCache({budget}, keep=4)": lambda: [
+            RotatingKVCache(max_size=budget, keep=4) for _ in model.layers
+        ],
         f"H2O key ({budget})": lambda: make_h2o_cache(model, config_for(budget, prefill="oneshot")),
-        f"H2O query ({budget})": lambda: make_h2o_cache(model, config_for(budget, scoring="query",
-                                                                          prefill="oneshot")),
+        f"H2O query ({budget})": lambda: make_h2o_cache(
+            model, config_for(budget, scoring="query", prefill="oneshot")
+        ),
     }
 
 
@@ -182,10 +208,12 @@ def bench_decode(model, tokens, contexts, budget, steps, chunk) -> list:
             cache = make()
             fill_s = fill(model, cache, tokens[:n], chunk)
             sec = decode_rate(model, cache, tokens[n], steps)
-            rows.append({"context": n, "cache": name, "step_ms": sec * 1e3, "tok_s": 1 / sec,
-                         "fill_s": fill_s})
-            print(f"decode ctx {n:5d} {name:32s} {sec * 1e3:7.1f} ms/token ({1 / sec:5.2f} tok/s)",
-                  flush=True)
+            rows.append(
+                {"context": n, "cache": name, "step_ms": sec * 1e3, "tok_s": 1 / sec, "fill_s": fill_s}
+            )
+            print(
+                f"decode ctx {n:5d} {name:32s} {sec * 1e3:7.1f} ms/token ({1 / sec:5.2f} tok/s)", flush=True
+            )
     return rows
 
 
@@ -196,7 +224,8 @@ def bench_prefill(model, tokens, budget, chunk, repeats) -> list:
         f"H2O key greedy ({budget})": lambda: make_h2o_cache(model, config_for(budget, prefill="greedy")),
         f"H2O key oneshot ({budget})": lambda: make_h2o_cache(model, config_for(budget, prefill="oneshot")),
         f"H2O query oneshot ({budget})": lambda: make_h2o_cache(
-            model, config_for(budget, scoring="query", prefill="oneshot")),
+            model, config_for(budget, scoring="query", prefill="oneshot")
+        ),
     }
     for name, make in variants.items():
         sec = min(fill(model, make(), tokens, chunk) for _ in range(repeats))
@@ -214,28 +243,48 @@ def bench_prefill(model, tokens, budget, chunk, repeats) -> list:
 def markdown(results: dict) -> str:
     out = [f"# Speed ({results['model']}, weights {results['weights']})", "", results["blas"], ""]
     if "profile" in results:
-        out += ["## Where a decode step's time goes (compiled, one eval per 30 chained layers)", "",
-                "| budget | part | us per layer |", "|---:|---|---:|"]
+        out += [
+            "## Where a decode step's time goes (compiled, one eval per 30 chained layers)",
+            "",
+            "| budget | part | us per layer |",
+            "|---:|---|---:|",
+        ]
         out += [f"| {r['budget']} | {r['part']} | {r['us_per_layer']:.0f} |" for r in results["profile"]]
         out.append("")
     if "update" in results:
-        out += ["## Per-layer update, one decode token (B=1, H=3, D=64, float32)", "",
-                "| budget | cache | us/call | vs KVCache |", "|---:|---|---:|---:|"]
-        out += [f"| {r['budget']} | {r['cache']} | {r['us']:.0f} | {r['vs_kvcache']:.2f} |" for r in results["update"]]
+        out += [
+            "## Per-layer update, one decode token (B=1, H=3, D=64, float32)",
+            "",
+            "| budget | cache | us/call | vs KVCache |",
+            "|---:|---|---:|---:|",
+        ]
+        out += [
+            f"| {r['budget']} | {r['cache']} | {r['us']:.0f} | {r['vs_kvcache']:.2f} |"
+            for r in results["update"]
+        ]
         out.append("")
     if "decode" in results:
         d = results["decode"]
-        out += [f"## Model decode after a context (budget {d['budget']}, prefill chunks of {d['chunk']})", "",
-                "| context | cache | ms/token | tokens/s | vs full | vs rotating |", "|---:|---|---:|---:|---:|---:|"]
+        out += [
+            f"## Model decode after a context (budget {d['budget']}, prefill chunks of {d['chunk']})",
+            "",
+            "| context | cache | ms/token | tokens/s | vs full | vs rotating |",
+            "|---:|---|---:|---:|---:|---:|",
+        ]
         for r in d["rows"]:
             same = [x for x in d["rows"] if x["context"] == r["context"]]
             full, rot = same[0]["step_ms"], same[1]["step_ms"]
-            out.append(f"| {r['context']} | {r['cache']} | {r['step_ms']:.1f} | {r['tok_s']:.2f} | "
-                       f"{r['step_ms'] / full:.2f} | {rot / r['step_ms']:.2f}x speed |")
+            out.append(
+                f"| {r['context']} | {r['cache']} | {r['step_ms']:.1f} | {r['tok_s']:.2f} | "
+                f"{r['step_ms'] / full:.2f} | {rot / r['step_ms']:.2f}x speed |"
+            )
         out.append("")
     if "prefill" in results:
         out += ["## Prefill", "", "| cache | tokens | seconds | vs full |", "|---|---:|---:|---:|"]
-        out += [f"| {r['cache']} | {r['tokens']} | {r['seconds']:.2f} | {r['vs_full']:.2f} |" for r in results["prefill"]]
+        out += [
+            f"| {r['cache']} | {r['tokens']} | {r['seconds']:.2f} | {r['vs_full']:.2f} |"
+            for r in results["prefill"]
+        ]
         out.append("")
     return "\n".join(out)
 
@@ -267,10 +316,15 @@ def main(argv=None) -> None:
         need = max(args.contexts + [args.prefill_tokens]) + 1
         tokens = corpus_tokens(tokenizer, need)
     if "decode" in args.what:
-        results["decode"] = {"budget": args.budget, "chunk": args.chunk,
-                             "rows": bench_decode(model, tokens, args.contexts, args.budget, args.steps, args.chunk)}
+        results["decode"] = {
+            "budget": args.budget,
+            "chunk": args.chunk,
+            "rows": bench_decode(model, tokens, args.contexts, args.budget, args.steps, args.chunk),
+        }
     if "prefill" in args.what:
-        results["prefill"] = bench_prefill(model, tokens[: args.prefill_tokens], args.budget, args.prefill_chunk, 1)
+        results["prefill"] = bench_prefill(
+            model, tokens[: args.prefill_tokens], args.budget, args.prefill_chunk, 1
+        )
     (out / "bench.json").write_text(json.dumps(results, indent=1))
     (out / "bench.md").write_text(markdown(results))
     print("\n" + markdown(results))

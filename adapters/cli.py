@@ -31,10 +31,18 @@ def add_policy_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-sink", type=int, default=d.n_sink, help="first positions never evicted")
     parser.add_argument("--grace", type=int, default=d.grace, help="newest positions never evicted")
     parser.add_argument("--decay", type=float, default=d.decay, help="score decay per token, (0, 1]")
-    parser.add_argument("--scoring", choices=["key", "query"], default=d.scoring,
-                        help="key-as-query proxy, or the model's own attention weights (hook)")
-    parser.add_argument("--prefill", choices=["greedy", "oneshot"], default=d.prefill,
-                        help="chunks token by token, or one weight pass per chunk")
+    parser.add_argument(
+        "--scoring",
+        choices=["key", "query"],
+        default=d.scoring,
+        help="key-as-query proxy, or the model's own attention weights (hook)",
+    )
+    parser.add_argument(
+        "--prefill",
+        choices=["greedy", "oneshot"],
+        default=d.prefill,
+        help="chunks token by token, or one weight pass per chunk",
+    )
 
 
 def config_for(budget: int, **changes) -> H2OConfig:
@@ -43,13 +51,19 @@ def config_for(budget: int, **changes) -> H2OConfig:
 
 
 def policy(args) -> H2OConfig:
-    return H2OConfig(budget=args.budget, n_sink=args.n_sink, grace=args.grace, decay=args.decay,
-                     scoring=args.scoring, prefill=args.prefill)
+    return H2OConfig(
+        budget=args.budget,
+        n_sink=args.n_sink,
+        grace=args.grace,
+        decay=args.decay,
+        scoring=args.scoring,
+        prefill=args.prefill,
+    )
 
 
 def build_prompt(tokenizer, prompt: str, chat: bool, system: Optional[str] = None) -> List[int]:
     if chat and tokenizer.chat_template is not None:
-        messages = ([{"role": "system", "content": system}] if system else [])
+        messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": prompt})
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return tokenizer.encode(prompt)
@@ -61,10 +75,16 @@ def run_one(model, tokenizer, prompt_ids, cache, args, label: str, echo: bool) -
     sampler = make_sampler(args.temp, args.top_p)
     text, ids, last = [], [], None
     progress = Progress(label, len(prompt_ids), args.max_tokens, quiet=echo)
-    for response in stream_generate(model, tokenizer, prompt_ids, max_tokens=args.max_tokens,
-                                    sampler=sampler, prompt_cache=cache,
-                                    prefill_step_size=args.prefill_step_size,
-                                    prompt_progress_callback=progress.prompt):
+    for response in stream_generate(
+        model,
+        tokenizer,
+        prompt_ids,
+        max_tokens=args.max_tokens,
+        sampler=sampler,
+        prompt_cache=cache,
+        prefill_step_size=args.prefill_step_size,
+        prompt_progress_callback=progress.prompt,
+    ):
         text.append(response.text)
         ids.append(response.token)
         last = response
@@ -103,8 +123,12 @@ class Progress:
     def token(self, n):
         if self.show and not self.quiet and (n % 16 == 0 or n == self.max_tokens):
             rate = n / max(time.perf_counter() - self.start, 1e-9)
-            print(f"\r[{self.label}] generated {n}/{self.max_tokens} tokens ({rate:.1f} tok/s)  ",
-                  end="", file=sys.stderr, flush=True)
+            print(
+                f"\r[{self.label}] generated {n}/{self.max_tokens} tokens ({rate:.1f} tok/s)  ",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def done(self):
         if self.show and not self.quiet:
@@ -123,15 +147,20 @@ def report(r: dict) -> None:
     print(f"Prompt: {r['prompt_tokens']} tokens, {r['prompt_tps']:.1f} tokens-per-sec")
     print(f"Generation: {r['generation_tokens']} tokens, {r['generation_tps']:.2f} tokens-per-sec")
     ratio = r["tokens_seen"] / max(r["tokens_kept"], 1)
-    print(f"KV cache: {r['tokens_kept']} kept / {r['tokens_seen']} seen tokens per layer "
-          f"(compression {ratio:.2f}x), {r['kv_bytes'] / 2**20:.2f} MiB")
+    print(
+        f"KV cache: {r['tokens_kept']} kept / {r['tokens_seen']} seen tokens per layer "
+        f"(compression {ratio:.2f}x), {r['kv_bytes'] / 2**20:.2f} MiB"
+    )
     print(f"Peak memory: {r['peak_memory_gb']:.3f} GB")
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m h2o_fn generate",
-                                     description="Generate text with an H2O KV cache (mlx-lm).")
-    parser.add_argument("--model", default=None, help="a llama-family GGUF file (default: SmolLM2-135M-Instruct)")
+    parser = argparse.ArgumentParser(
+        prog="python -m h2o_fn generate", description="Generate text with an H2O KV cache (mlx-lm)."
+    )
+    parser.add_argument(
+        "--model", default=None, help="a llama-family GGUF file (default: SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="the prompt ('-' reads stdin)")
     parser.add_argument("--max-tokens", "-m", type=int, default=256)
     parser.add_argument("--temp", type=float, default=0.0)
@@ -141,8 +170,11 @@ def main(argv=None) -> None:
     parser.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
     parser.add_argument("--prefill-step-size", type=int, default=2048)
     add_policy_flags(parser)
-    parser.add_argument("--compare", action="store_true",
-                        help="also run mlx-lm's full KVCache and RotatingKVCache(budget, keep=n_sink)")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run mlx-lm's full KVCache and RotatingKVCache(budget, keep=n_sink)",
+    )
     args = parser.parse_args(argv)
     config = policy(args)
 
@@ -158,9 +190,13 @@ def main(argv=None) -> None:
     report(h2o)
     if not args.compare:
         return
-    others = [("full KVCache", make_prompt_cache(model)),
-              (f"RotatingKVCache({config.budget}, keep={config.n_sink})",
-               [RotatingKVCache(max_size=config.budget, keep=config.n_sink) for _ in model.layers])]
+    others = [
+        ("full KVCache", make_prompt_cache(model)),
+        (
+            f"RotatingKVCache({config.budget}, keep={config.n_sink})",
+            [RotatingKVCache(max_size=config.budget, keep=config.n_sink) for _ in model.layers],
+        ),
+    ]
     rows = [h2o]
     for label, cache in others:
         r = run_one(model, tokenizer, ids, cache, args, label, echo=False)
@@ -171,7 +207,7 @@ def main(argv=None) -> None:
     print(f"\n{'cache':38s} {'tok/s':>7s} {'kept':>6s} {'KV MiB':>8s} {'diverges at':>12s}")
     for r in rows:
         d = first_divergence(r["ids"], full)
-        print(f"{r['label']:38s} {r['generation_tps']:7.2f} {r['tokens_kept']:6d} "
-              f"{r['kv_bytes'] / 2**20:8.2f} {('-' if d is None else str(d)):>12s}")
-
-
+        print(
+            f"{r['label']:38s} {r['generation_tps']:7.2f} {r['tokens_kept']:6d} "
+            f"{r['kv_bytes'] / 2**20:8.2f} {('-' if d is None else str(d)):>12s}"
+        )

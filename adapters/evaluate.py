@@ -43,8 +43,7 @@ PROMPTS = [
     "Explain how a computer's CPU executes a program, step by step.",
     "What were the main causes of the French Revolution? Answer in detail.",
 ]
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
-          "There and back again. ")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. " "There and back again. "
 
 
 # ---------------------------------------------------------------- caches
@@ -58,16 +57,31 @@ def cache_specs(budgets: List[int], ablations: bool, prefills=("oneshot",)) -> L
         for scoring in ("key", "query"):
             for prefill in prefills:
                 cfg = config_for(b, scoring=scoring, prefill=prefill)
-                specs.append({"name": f"H2O {scoring}" + (f" {prefill}" if len(prefills) > 1 else ""),
-                              "family": f"h2o-{scoring}", "budget": b, "config": cfg})
+                specs.append(
+                    {
+                        "name": f"H2O {scoring}" + (f" {prefill}" if len(prefills) > 1 else ""),
+                        "family": f"h2o-{scoring}",
+                        "budget": b,
+                        "config": cfg,
+                    }
+                )
     if ablations:
         b = budgets[min(1, len(budgets) - 1)]
         for scoring in ("key", "query"):
             base = config_for(b, scoring=scoring)
-            for label, change in (("grace=0 decay=1 (Algorithm 1)", dict(n_sink=0, grace=0, decay=1.0)),
-                                  ("grace=0", dict(grace=0)), ("decay=1", dict(decay=1.0))):
-                specs.append({"name": f"H2O {scoring} {label}", "family": f"ablation-{scoring}",
-                              "budget": b, "config": base._replace(**change)})
+            for label, change in (
+                ("grace=0 decay=1 (Algorithm 1)", dict(n_sink=0, grace=0, decay=1.0)),
+                ("grace=0", dict(grace=0)),
+                ("decay=1", dict(decay=1.0)),
+            ):
+                specs.append(
+                    {
+                        "name": f"H2O {scoring} {label}",
+                        "family": f"ablation-{scoring}",
+                        "budget": b,
+                        "config": base._replace(**change),
+                    }
+                )
     return specs
 
 
@@ -115,8 +129,13 @@ def streaming_ppl(model, cache, tokens: List[int], chunk: int) -> dict:
         count += x.size
         mx.eval(nll, [c.state for c in cache])
     mean = nll.item() / count
-    return {"ppl": math.exp(mean), "nll": mean, "tokens": count, "seconds": time.perf_counter() - start,
-            "kept": max(c.size() for c in cache)}
+    return {
+        "ppl": math.exp(mean),
+        "nll": mean,
+        "tokens": count,
+        "seconds": time.perf_counter() - start,
+        "kept": max(c.size() for c in cache),
+    }
 
 
 def repeated_4grams(ids: List[int]) -> float:
@@ -134,8 +153,9 @@ def longest_run(ids: List[int]) -> int:
 
 
 def greedy(model, prompt_ids: List[int], cache, n: int, prefill_step_size=2048) -> List[int]:
-    steps = generate_step(mx.array(prompt_ids), model, max_tokens=n, prompt_cache=cache,
-                          prefill_step_size=prefill_step_size)
+    steps = generate_step(
+        mx.array(prompt_ids), model, max_tokens=n, prompt_cache=cache, prefill_step_size=prefill_step_size
+    )
     return [t for t, _ in steps]
 
 
@@ -158,8 +178,13 @@ def sweep(model, tokens, budget: int, chunk: int) -> List[dict]:
     for label, cfg, reduce in variants:
         remove_query_hook(model)
         install_query_hook(model, reduce)
-        r = {"name": label, "budget": budget, "config": cfg._asdict(), "gqa": reduce,
-             **streaming_ppl(model, make_h2o_cache(model, cfg), tokens, chunk)}
+        r = {
+            "name": label,
+            "budget": budget,
+            "config": cfg._asdict(),
+            "gqa": reduce,
+            **streaming_ppl(model, make_h2o_cache(model, cfg), tokens, chunk),
+        }
         rows.append(r)
         print(f"sweep {label:20s} budget {budget}  {r['ppl']:.3f}", flush=True)
     remove_query_hook(model)
@@ -203,7 +228,12 @@ def plot_ppl(rows: List[dict], full_ppl: float, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    names = [n for n in dict.fromkeys(r["name"] for r in rows if r["budget"] and not r["family"].startswith("ablation"))]
+    names = [
+        n
+        for n in dict.fromkeys(
+            r["name"] for r in rows if r["budget"] and not r["family"].startswith("ablation")
+        )
+    ]
     for name in names:
         pts = sorted((r["budget"], r["ppl"]) for r in rows if r["name"] == name)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
@@ -259,50 +289,87 @@ def markdown(results: dict) -> str:
     if "ppl" in results:
         p = results["ppl"]
         full = p["full_ppl"]
-        out += [f"## Streaming perplexity: {p['tokens']} tokens of {p['text']}, chunks of {p['chunk']}", "",
-                f"`{p['command']}`", "", f"Full KVCache: **{full:.3f}**", "",
-                "| cache | budget | ppl | vs full | wall s (not a benchmark) |", "|---|---:|---:|---:|---:|"]
+        out += [
+            f"## Streaming perplexity: {p['tokens']} tokens of {p['text']}, chunks of {p['chunk']}",
+            "",
+            f"`{p['command']}`",
+            "",
+            f"Full KVCache: **{full:.3f}**",
+            "",
+            "| cache | budget | ppl | vs full | wall s (not a benchmark) |",
+            "|---|---:|---:|---:|---:|",
+        ]
         for r in p["rows"]:
             if r["budget"]:
-                out.append(f"| {r['name']} | {r['budget']} | {r['ppl']:.3f} | {100 * (r['ppl'] / full - 1):+.1f}% "
-                           f"| {r['seconds']:.1f} |")
+                out.append(
+                    f"| {r['name']} | {r['budget']} | {r['ppl']:.3f} | {100 * (r['ppl'] / full - 1):+.1f}% "
+                    f"| {r['seconds']:.1f} |"
+                )
         out.append("")
     if "mass" in results:
         m = results["mass"]
         ks = m["budgets"]
         mean = {k: sum(r[str(k)] for r in m["rows"]) / len(m["rows"]) for k in ks}
         worst = {k: min(r[str(k)] for r in m["rows"]) for k in ks}
-        out += [f"## Oracle attention mass: the best k keys per query (full cache, queries >= {m['start']})", "",
-                f"`{m['command']}`", "",
-                "Upper bound for any cache keeping k tokens (each query picks its own best k).", "",
-                "| k | mean over layers | worst layer |", "|---:|---:|---:|"]
+        out += [
+            f"## Oracle attention mass: the best k keys per query (full cache, queries >= {m['start']})",
+            "",
+            f"`{m['command']}`",
+            "",
+            "Upper bound for any cache keeping k tokens (each query picks its own best k).",
+            "",
+            "| k | mean over layers | worst layer |",
+            "|---:|---:|---:|",
+        ]
         out += [f"| {k} | {mean[k]:.4f} | {worst[k]:.4f} |" for k in ks]
         out.append("")
     if "sweep" in results:
         w = results["sweep"]
-        out += [f"## Sweep: H2O query oneshot at budget {w['budget']}, one change at a time", "",
-                f"`{w['command']}`", "", f"Full KVCache: {w['full_ppl']:.3f}", "",
-                "| variant | ppl | vs full |", "|---|---:|---:|"]
-        out += [f"| {r['name']} | {r['ppl']:.3f} | {100 * (r['ppl'] / w['full_ppl'] - 1):+.1f}% |"
-                for r in w["rows"]]
+        out += [
+            f"## Sweep: H2O query oneshot at budget {w['budget']}, one change at a time",
+            "",
+            f"`{w['command']}`",
+            "",
+            f"Full KVCache: {w['full_ppl']:.3f}",
+            "",
+            "| variant | ppl | vs full |",
+            "|---|---:|---:|",
+        ]
+        out += [
+            f"| {r['name']} | {r['ppl']:.3f} | {100 * (r['ppl'] / w['full_ppl'] - 1):+.1f}% |"
+            for r in w["rows"]
+        ]
         out.append("")
     if "agree" in results:
         a = results["agree"]
-        out += [f"## Generation agreement: {len(a['prompts'])} chat prompts, {a['tokens']} greedy tokens", "",
-                f"`{a['command']}`", "",
-                "Tokens until the first divergence from the full cache (mean over prompts; "
-                f"{a['tokens']} = never diverged), repeated 4-grams (full cache: "
-                f"{a['full_repeat']:.3f}) and the longest single-token run.", "",
-                "| cache | budget | agree (mean) | per prompt | repeated 4-grams | longest run |",
-                "|---|---:|---:|---|---:|---:|"]
+        out += [
+            f"## Generation agreement: {len(a['prompts'])} chat prompts, {a['tokens']} greedy tokens",
+            "",
+            f"`{a['command']}`",
+            "",
+            "Tokens until the first divergence from the full cache (mean over prompts; "
+            f"{a['tokens']} = never diverged), repeated 4-grams (full cache: "
+            f"{a['full_repeat']:.3f}) and the longest single-token run.",
+            "",
+            "| cache | budget | agree (mean) | per prompt | repeated 4-grams | longest run |",
+            "|---|---:|---:|---|---:|---:|",
+        ]
         for r in a["rows"]:
-            out.append(f"| {r['name']} | {r['budget']} | {r['agree_mean']:.1f} | {r['agree']} | "
-                       f"{r['repeat_mean']:.3f} | {r['longest_run']} |")
+            out.append(
+                f"| {r['name']} | {r['budget']} | {r['agree_mean']:.1f} | {r['agree']} | "
+                f"{r['repeat_mean']:.3f} | {r['longest_run']} |"
+            )
         out.append("")
     if "retrieval" in results:
         r = results["retrieval"]
-        out += [f"## Pass-key retrieval: {r['context']} tokens, depths {r['depths']}, {r['trials']} keys each",
-                "", f"`{r['command']}`", "", "| cache | budget | accuracy |", "|---|---:|---:|"]
+        out += [
+            f"## Pass-key retrieval: {r['context']} tokens, depths {r['depths']}, {r['trials']} keys each",
+            "",
+            f"`{r['command']}`",
+            "",
+            "| cache | budget | accuracy |",
+            "|---|---:|---:|",
+        ]
         for row in r["rows"]:
             out.append(f"| {row['name']} | {row['budget'] or '-'} | {row['accuracy']:.2f} |")
         out.append("")
@@ -312,15 +379,24 @@ def markdown(results: dict) -> str:
 def main(argv=None) -> None:
     argv = list(sys.argv[2:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m h2o_fn eval", description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="*", default=["ppl", "agree", "retrieval", "plots", "sweep", "mass"],
-                        help="any of: ppl agree retrieval plots sweep mass (default: all)")
+    parser.add_argument(
+        "what",
+        nargs="*",
+        default=["ppl", "agree", "retrieval", "plots", "sweep", "mass"],
+        help="any of: ppl agree retrieval plots sweep mass (default: all)",
+    )
     add_run_flags(parser, "results/eval")
     parser.add_argument("--tokens", type=int, default=2048, help="perplexity text length")
     parser.add_argument("--text-file", default=None, help="perplexity text (default: pydoc topics)")
     parser.add_argument("--chunk", type=int, default=16)
     parser.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512])
-    parser.add_argument("--prefills", nargs="+", default=["greedy", "oneshot"], choices=["greedy", "oneshot"],
-                        help="H2O prefill modes to compare in ppl (agree and retrieval use oneshot)")
+    parser.add_argument(
+        "--prefills",
+        nargs="+",
+        default=["greedy", "oneshot"],
+        choices=["greedy", "oneshot"],
+        help="H2O prefill modes to compare in ppl (agree and retrieval use oneshot)",
+    )
     parser.add_argument("--no-ablations", action="store_true")
     parser.add_argument("--sweep-budget", type=int, default=512)
     parser.add_argument("--gen-tokens", type=int, default=160)
@@ -343,24 +419,40 @@ def main(argv=None) -> None:
         for spec in cache_specs(args.budgets, not args.no_ablations, tuple(args.prefills)):
             r = {**describe(spec), **streaming_ppl(model, build_cache(model, spec), tokens, args.chunk)}
             rows.append(r)
-            print(f"ppl  {r['name']:40s} budget {str(r['budget']):>5s}  {r['ppl']:9.3f}  ({r['seconds']:.0f}s)",
-                  flush=True)
+            print(
+                f"ppl  {r['name']:40s} budget {str(r['budget']):>5s}  {r['ppl']:9.3f}  ({r['seconds']:.0f}s)",
+                flush=True,
+            )
         full = rows[0]["ppl"]
-        results["ppl"] = {"command": header["command"], "tokens": args.tokens, "chunk": args.chunk, "full_ppl": full, "rows": rows,
-                          "text": args.text_file or "pydoc_data.topics"}
+        results["ppl"] = {
+            "command": header["command"],
+            "tokens": args.tokens,
+            "chunk": args.chunk,
+            "full_ppl": full,
+            "rows": rows,
+            "text": args.text_file or "pydoc_data.topics",
+        }
         if "plots" in args.what:
             plot_ppl(rows, full, out / "ppl_vs_budget.png")
 
     if "sweep" in args.what:
         tokens = corpus_tokens(tokenizer, args.tokens, args.text_file)
         full = streaming_ppl(model, [KVCache() for _ in model.layers], tokens, args.chunk)["ppl"]
-        results["sweep"] = {"command": header["command"], "budget": args.sweep_budget, "full_ppl": full,
-                            "rows": sweep(model, tokens, args.sweep_budget, args.chunk)}
+        results["sweep"] = {
+            "command": header["command"],
+            "budget": args.sweep_budget,
+            "full_ppl": full,
+            "rows": sweep(model, tokens, args.sweep_budget, args.chunk),
+        }
 
     if "mass" in args.what:
         tokens = corpus_tokens(tokenizer, args.tokens, args.text_file)
-        results["mass"] = {"command": header["command"], "budgets": args.budgets, "start": args.tokens // 2,
-                           "rows": oracle_mass(model, tokens, args.budgets, args.tokens // 2)}
+        results["mass"] = {
+            "command": header["command"],
+            "budgets": args.budgets,
+            "start": args.tokens // 2,
+            "rows": oracle_mass(model, tokens, args.budgets, args.tokens // 2),
+        }
 
     if "agree" in args.what:
         prompts = [build_prompt(tokenizer, p, True) for p in PROMPTS[: args.prompts]]
@@ -372,41 +464,82 @@ def main(argv=None) -> None:
             outs = [greedy(model, p, build_cache(model, spec), args.gen_tokens) for p in prompts]
             agree = [first_divergence(o, f) for o, f in zip(outs, fulls)]
             agree = [args.gen_tokens if a is None else a for a in agree]
-            rows.append({**describe(spec), "agree": agree, "agree_mean": sum(agree) / len(agree),
-                         "repeat": [repeated_4grams(o) for o in outs],
-                         "repeat_mean": sum(map(repeated_4grams, outs)) / len(outs),
-                         "longest_run": max(map(longest_run, outs)),
-                         "samples": [tokenizer.decode(o) for o in outs]})
-            print(f"agree {rows[-1]['name']:40s} budget {spec['budget']:5d}  {agree}  "
-                  f"repeat {rows[-1]['repeat_mean']:.3f}", flush=True)
-        results["agree"] = {"command": header["command"], "tokens": args.gen_tokens, "prompts": PROMPTS[: args.prompts], "rows": rows,
-                            "full_repeat": sum(map(repeated_4grams, fulls)) / len(fulls),
-                            "full_samples": [tokenizer.decode(f) for f in fulls]}
+            rows.append(
+                {
+                    **describe(spec),
+                    "agree": agree,
+                    "agree_mean": sum(agree) / len(agree),
+                    "repeat": [repeated_4grams(o) for o in outs],
+                    "repeat_mean": sum(map(repeated_4grams, outs)) / len(outs),
+                    "longest_run": max(map(longest_run, outs)),
+                    "samples": [tokenizer.decode(o) for o in outs],
+                }
+            )
+            print(
+                f"agree {rows[-1]['name']:40s} budget {spec['budget']:5d}  {agree}  "
+                f"repeat {rows[-1]['repeat_mean']:.3f}",
+                flush=True,
+            )
+        results["agree"] = {
+            "command": header["command"],
+            "tokens": args.gen_tokens,
+            "prompts": PROMPTS[: args.prompts],
+            "rows": rows,
+            "full_repeat": sum(map(repeated_4grams, fulls)) / len(fulls),
+            "full_samples": [tokenizer.decode(f) for f in fulls],
+        }
 
     if "retrieval" in args.what:
         rng = random.Random(0)
         keys = [str(rng.randint(10000, 99999)) for _ in range(args.trials)]
-        cases = [(d, k, passkey_prompt(tokenizer, d, args.passkey_context, k)) for d in args.depths for k in keys]
+        cases = [
+            (d, k, passkey_prompt(tokenizer, d, args.passkey_context, k)) for d in args.depths for k in keys
+        ]
         rows = []
         for spec in cache_specs(args.passkey_budgets, False):
-            hits = [k in tokenizer.decode(greedy(model, ids, build_cache(model, spec), 8)) for _, k, ids in cases]
-            rows.append({**describe(spec), "accuracy": sum(hits) / len(hits),
-                         "by_depth": {str(d): sum(h for (dd, _, _), h in zip(cases, hits) if dd == d) / len(keys)
-                                      for d in args.depths}})
-            print(f"passkey {spec['name']:38s} budget {str(spec['budget']):>5s}  {rows[-1]['accuracy']:.2f}",
-                  flush=True)
-        results["retrieval"] = {"command": header["command"], "context": len(cases[0][2]), "depths": args.depths, "trials": args.trials,
-                                "rows": rows}
+            hits = [
+                k in tokenizer.decode(greedy(model, ids, build_cache(model, spec), 8)) for _, k, ids in cases
+            ]
+            rows.append(
+                {
+                    **describe(spec),
+                    "accuracy": sum(hits) / len(hits),
+                    "by_depth": {
+                        str(d): sum(h for (dd, _, _), h in zip(cases, hits) if dd == d) / len(keys)
+                        for d in args.depths
+                    },
+                }
+            )
+            print(
+                f"passkey {spec['name']:38s} budget {str(spec['budget']):>5s}  {rows[-1]['accuracy']:.2f}",
+                flush=True,
+            )
+        results["retrieval"] = {
+            "command": header["command"],
+            "context": len(cases[0][2]),
+            "depths": args.depths,
+            "trials": args.trials,
+            "rows": rows,
+        }
 
     if "plots" in args.what:
         layer = len(model.layers) // 2
         b = min(args.gen_budgets)
-        maps = {f"grace=0, decay=1.0 (Algorithm 1), budget {b}":
-                    kept_map(model, tokenizer, H2OConfig(budget=b, n_sink=0, grace=0, decay=1.0), args.map_steps, layer),
-                f"defaults (n_sink=4, grace={config_for(b).grace}, decay=0.98), budget {b}":
-                    kept_map(model, tokenizer, config_for(b), args.map_steps, layer)}
+        maps = {
+            f"grace=0, decay=1.0 (Algorithm 1), budget {b}": kept_map(
+                model, tokenizer, H2OConfig(budget=b, n_sink=0, grace=0, decay=1.0), args.map_steps, layer
+            ),
+            f"defaults (n_sink=4, grace={config_for(b).grace}, decay=0.98), budget {b}": kept_map(
+                model, tokenizer, config_for(b), args.map_steps, layer
+            ),
+        }
         plot_kept(maps, out / "kept_positions.png")
-        results["kept_map"] = {"command": header["command"], "layer": layer, "head": 0, "final": {k: v[-1] for k, v in maps.items()}}
+        results["kept_map"] = {
+            "command": header["command"],
+            "layer": layer,
+            "head": 0,
+            "final": {k: v[-1] for k, v in maps.items()},
+        }
 
     (out / "eval.json").write_text(json.dumps(results, indent=1))
     (out / "eval.md").write_text(markdown(results))

@@ -39,7 +39,9 @@ def reexec_with_openblas(argv: List[str]) -> None:
     path = openblas_path()
     if sys.platform != "linux" or os.environ.get(FLAG) is not None or path is None:
         return
-    env = dict(os.environ, LD_PRELOAD=path, OPENBLAS_CORETYPE=os.environ.get("OPENBLAS_CORETYPE", _coretype()))
+    env = dict(
+        os.environ, LD_PRELOAD=path, OPENBLAS_CORETYPE=os.environ.get("OPENBLAS_CORETYPE", _coretype())
+    )
     env[FLAG] = "1"
     os.execve(sys.executable, [sys.executable, "-m", "h2o_fn", *argv], env)
 
@@ -47,8 +49,10 @@ def reexec_with_openblas(argv: List[str]) -> None:
 def blas_report() -> str:
     """One line saying which BLAS this process runs with."""
     if "openblas" in os.environ.get("LD_PRELOAD", ""):
-        return (f"BLAS: OpenBLAS preloaded ({os.environ['LD_PRELOAD']}, "
-                f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', 'auto')})")
+        return (
+            f"BLAS: OpenBLAS preloaded ({os.environ['LD_PRELOAD']}, "
+            f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', 'auto')})"
+        )
     return "BLAS: mlx's bundled reference BLAS (OpenBLAS not preloaded)"
 
 
@@ -56,9 +60,12 @@ def add_run_flags(parser: argparse.ArgumentParser, out: str) -> None:
     parser.add_argument("--model", default=None, help="a llama-family GGUF (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--out", default=out, help="folder for the JSON and markdown results")
     parser.add_argument("--no-openblas", action="store_true", help="do not re-run with OpenBLAS preloaded")
-    parser.add_argument("--quantized", action="store_true",
-                        help="keep mlx's quantized matmuls (default: dequantize to float32, the same "
-                             "values; on CPU quantized matmuls cost per token even in a batch)")
+    parser.add_argument(
+        "--quantized",
+        action="store_true",
+        help="keep mlx's quantized matmuls (default: dequantize to float32, the same "
+        "values; on CPU quantized matmuls cost per token even in a batch)",
+    )
 
 
 def start_run(command: str, argv: List[str], args) -> Tuple[Path, dict]:
@@ -67,8 +74,13 @@ def start_run(command: str, argv: List[str], args) -> Tuple[Path, dict]:
         reexec_with_openblas([command, *argv])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    header = {"model": args.model or DEFAULT_MODEL, "blas": blas_report(), "mlx": mx.__version__,
-              "weights": "quantized (mlx kernels)" if args.quantized else "dequantized to float32",
-              "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python -m h2o_fn", command, *argv])}
+    header = {
+        "model": args.model or DEFAULT_MODEL,
+        "blas": blas_report(),
+        "mlx": mx.__version__,
+        "weights": "quantized (mlx kernels)" if args.quantized else "dequantized to float32",
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(["python -m h2o_fn", command, *argv]),
+    }
     print(header["blas"], flush=True)
     return out, header

@@ -138,12 +138,8 @@ def _admit(state: H2OState, key: mx.array, value: mx.array):
 
 def accumulate(state: H2OState, weights: mx.array, config: H2OConfig) -> H2OState:
     """Decay then add: s_j <- decay * s_j + w_j on valid slots. `weights` `[B, H, C]`."""
-    return _accumulate_clean(state, clean_weights(weights), config)
-
-
-def _accumulate_clean(state: H2OState, weights: mx.array, config: H2OConfig) -> H2OState:
     valid = state.positions >= 0
-    return state._replace(scores=mx.where(valid, config.decay * state.scores + weights, 0.0))
+    return state._replace(scores=mx.where(valid, config.decay * state.scores + clean_weights(weights), 0.0))
 
 
 def _decay_add(state: H2OState, weights: mx.array, config: H2OConfig) -> H2OState:

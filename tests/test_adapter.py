@@ -5,8 +5,14 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import (KVCache, RotatingKVCache, can_trim_prompt_cache, load_prompt_cache,
-                                 save_prompt_cache, trim_prompt_cache)
+from mlx_lm.models.cache import (
+    KVCache,
+    RotatingKVCache,
+    can_trim_prompt_cache,
+    load_prompt_cache,
+    save_prompt_cache,
+    trim_prompt_cache,
+)
 
 from h2o_fn import H2OConfig, absorb, assert_invariants, init, kept_positions, step
 from h2o_fn.adapters.attention import attention_with_weights, install_query_hook, is_hooked, remove_query_hook
@@ -38,7 +44,9 @@ def unhook():
 @pytest.mark.parametrize("scoring, prefill", MODES)
 def test_logits_equal_the_full_cache_when_nothing_is_evicted(arch, scoring, prefill):
     model = tiny_model(arch)
-    full = run(model, model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers])
+    full = run(
+        model, model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+    )
     cache = make_h2o_cache(model, H2OConfig(budget=64, n_sink=2, grace=4, scoring=scoring, prefill=prefill))
     h2o = run(model, cache)
     if scoring == "key":
@@ -173,8 +181,18 @@ def sdpa_cases():
     v = mx.array(rng.standard_normal((2, 2, 9, 16)).astype(np.float32))
     boolean = mx.array(rng.random((2, 6, 5, 9)) < 0.7) | (mx.arange(9) == 0)
     additive = mx.array(rng.standard_normal((1, 1, 5, 9)).astype(np.float32))
-    return q, k, v, {"none": None, "causal": "causal", "bool": boolean, "additive": additive,
-                     "bool-2d": create_causal_mask(5, offset=4)}
+    return (
+        q,
+        k,
+        v,
+        {
+            "none": None,
+            "causal": "causal",
+            "bool": boolean,
+            "additive": additive,
+            "bool-2d": create_causal_mask(5, offset=4),
+        },
+    )
 
 
 @pytest.mark.parametrize("mask_name", ["none", "causal", "bool", "additive", "bool-2d"])
@@ -233,8 +251,12 @@ def test_query_cache_without_the_hook_raises_at_the_next_token():
 def test_inputs_that_change_between_calls_raise():
     cache = H2OKVCache(H2OConfig(budget=8, n_sink=1, grace=1))
     cache.update_and_fetch(mx.zeros((1, 2, 3, 4), mx.float16), mx.zeros((1, 2, 3, 4), mx.float16))
-    for shape, dtype, match in [((1, 2, 1, 8), mx.float16, "D=4"), ((1, 3, 1, 4), mx.float16, "H=2"),
-                                ((2, 2, 1, 4), mx.float16, "B=1"), ((1, 2, 1, 4), mx.float32, "dtype")]:
+    for shape, dtype, match in [
+        ((1, 2, 1, 8), mx.float16, "D=4"),
+        ((1, 3, 1, 4), mx.float16, "H=2"),
+        ((2, 2, 1, 4), mx.float16, "B=1"),
+        ((1, 2, 1, 4), mx.float32, "dtype"),
+    ]:
         with pytest.raises(ValueError, match=match):
             cache.update_and_fetch(mx.zeros(shape, dtype), mx.zeros(shape, dtype))
     with pytest.raises(ValueError, match="empty chunk"):

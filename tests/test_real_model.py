@@ -88,13 +88,17 @@ def test_seed_failure_photosynthesis_does_not_collapse(smollm, cache_kind, capsy
     if cache_kind == "full":
         cache = [KVCache() for _ in model.layers]
     else:
-        cache = make_h2o_cache(model, H2OConfig(budget=128, n_sink=2, grace=32, decay=0.98, scoring=cache_kind))
+        cache = make_h2o_cache(
+            model, H2OConfig(budget=128, n_sink=2, grace=32, decay=0.98, scoring=cache_kind)
+        )
     ids = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=300, prompt_cache=cache)]
     text = tokenizer.decode(ids)
     with capsys.disabled():
-        print(f"\n[seed scenario, {cache_kind}] {len(ids)} tokens, repeated 4-grams "
-              f"{repeated_4grams(ids):.3f}, longest run {longest_run(ids)}, "
-              f"loop: {degenerate(ids)}\n  ...{text[-300:]!r}")
+        print(
+            f"\n[seed scenario, {cache_kind}] {len(ids)} tokens, repeated 4-grams "
+            f"{repeated_4grams(ids):.3f}, longest run {longest_run(ids)}, "
+            f"loop: {degenerate(ids)}\n  ...{text[-300:]!r}"
+        )
     if cache_kind != "full":
         assert cache[0].tokens_kept == 128 and cache[0].compression_ratio > 2
     assert not degenerate(ids), text
