@@ -22,7 +22,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from h2o_fn import compiled_step, step
 
-from .runs import add_run_flags, start_run
+from .runs import add_run_flags, section, start_run
 from .cli import config_for
 from .evaluate import corpus_tokens
 from .gguf import load_gguf
@@ -243,49 +243,49 @@ def bench_prefill(model, tokens, budget, chunk, repeats) -> list:
 def markdown(results: dict) -> str:
     out = [f"# Speed ({results['model']}, weights {results['weights']})", "", results["blas"], ""]
     if "profile" in results:
-        out += [
-            "## Where a decode step's time goes (compiled, one eval per 30 chained layers)",
-            "",
-            "| budget | part | us per layer |",
-            "|---:|---|---:|",
-        ]
-        out += [f"| {r['budget']} | {r['part']} | {r['us_per_layer']:.0f} |" for r in results["profile"]]
-        out.append("")
+        out += section(
+            "Where a decode step's time goes (compiled, one eval per 30 chained layers)",
+            "budget:r | part:l | us per layer:r",
+            [(r["budget"], r["part"], f"{r['us_per_layer']:.0f}") for r in results["profile"]],
+        )
     if "update" in results:
-        out += [
-            "## Per-layer update, one decode token (B=1, H=3, D=64, float32)",
-            "",
-            "| budget | cache | us/call | vs KVCache |",
-            "|---:|---|---:|---:|",
-        ]
-        out += [
-            f"| {r['budget']} | {r['cache']} | {r['us']:.0f} | {r['vs_kvcache']:.2f} |"
-            for r in results["update"]
-        ]
-        out.append("")
+        out += section(
+            "Per-layer update, one decode token (B=1, H=3, D=64, float32)",
+            "budget:r | cache:l | us/call:r | vs KVCache:r",
+            [
+                (r["budget"], r["cache"], f"{r['us']:.0f}", f"{r['vs_kvcache']:.2f}")
+                for r in results["update"]
+            ],
+        )
     if "decode" in results:
         d = results["decode"]
-        out += [
-            f"## Model decode after a context (budget {d['budget']}, prefill chunks of {d['chunk']})",
-            "",
-            "| context | cache | ms/token | tokens/s | vs full | vs rotating |",
-            "|---:|---|---:|---:|---:|---:|",
-        ]
+        first = {}  # context -> (full, rotating) step times: the first two rows of each context
         for r in d["rows"]:
-            same = [x for x in d["rows"] if x["context"] == r["context"]]
-            full, rot = same[0]["step_ms"], same[1]["step_ms"]
-            out.append(
-                f"| {r['context']} | {r['cache']} | {r['step_ms']:.1f} | {r['tok_s']:.2f} | "
-                f"{r['step_ms'] / full:.2f} | {rot / r['step_ms']:.2f}x speed |"
-            )
-        out.append("")
+            first.setdefault(r["context"], []).append(r["step_ms"])
+        out += section(
+            f"Model decode after a context (budget {d['budget']}, prefill chunks of {d['chunk']})",
+            "context:r | cache:l | ms/token:r | tokens/s:r | vs full:r | vs rotating:r",
+            [
+                (
+                    r["context"],
+                    r["cache"],
+                    f"{r['step_ms']:.1f}",
+                    f"{r['tok_s']:.2f}",
+                    f"{r['step_ms'] / first[r['context']][0]:.2f}",
+                    f"{first[r['context']][1] / r['step_ms']:.2f}x speed",
+                )
+                for r in d["rows"]
+            ],
+        )
     if "prefill" in results:
-        out += ["## Prefill", "", "| cache | tokens | seconds | vs full |", "|---|---:|---:|---:|"]
-        out += [
-            f"| {r['cache']} | {r['tokens']} | {r['seconds']:.2f} | {r['vs_full']:.2f} |"
-            for r in results["prefill"]
-        ]
-        out.append("")
+        out += section(
+            "Prefill",
+            "cache:l | tokens:r | seconds:r | vs full:r",
+            [
+                (r["cache"], r["tokens"], f"{r['seconds']:.2f}", f"{r['vs_full']:.2f}")
+                for r in results["prefill"]
+            ],
+        )
     return "\n".join(out)
 
 

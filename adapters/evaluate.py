@@ -31,7 +31,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from h2o_fn import H2OConfig, kept_positions
 
-from .runs import add_run_flags, start_run
+from .runs import add_run_flags, section, start_run
 from .attention import attention_with_weights, install_query_hook, model_modules, remove_query_hook
 from .cli import build_prompt, config_for, first_divergence
 from .gguf import load_gguf
@@ -289,90 +289,77 @@ def markdown(results: dict) -> str:
     if "ppl" in results:
         p = results["ppl"]
         full = p["full_ppl"]
-        out += [
-            f"## Streaming perplexity: {p['tokens']} tokens of {p['text']}, chunks of {p['chunk']}",
-            "",
-            f"`{p['command']}`",
-            "",
-            f"Full KVCache: **{full:.3f}**",
-            "",
-            "| cache | budget | ppl | vs full | wall s (not a benchmark) |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for r in p["rows"]:
-            if r["budget"]:
-                out.append(
-                    f"| {r['name']} | {r['budget']} | {r['ppl']:.3f} | {100 * (r['ppl'] / full - 1):+.1f}% "
-                    f"| {r['seconds']:.1f} |"
+        out += section(
+            f"Streaming perplexity: {p['tokens']} tokens of {p['text']}, chunks of {p['chunk']}",
+            "cache:l | budget:r | ppl:r | vs full:r | wall s (not a benchmark):r",
+            [
+                (
+                    r["name"],
+                    r["budget"],
+                    f"{r['ppl']:.3f}",
+                    f"{100 * (r['ppl'] / full - 1):+.1f}%",
+                    f"{r['seconds']:.1f}",
                 )
-        out.append("")
+                for r in p["rows"]
+                if r["budget"]
+            ],
+            p["command"],
+            [f"Full KVCache: **{full:.3f}**"],
+        )
     if "mass" in results:
         m = results["mass"]
-        ks = m["budgets"]
-        mean = {k: sum(r[str(k)] for r in m["rows"]) / len(m["rows"]) for k in ks}
-        worst = {k: min(r[str(k)] for r in m["rows"]) for k in ks}
-        out += [
-            f"## Oracle attention mass: the best k keys per query (full cache, queries >= {m['start']})",
-            "",
-            f"`{m['command']}`",
-            "",
-            "Upper bound for any cache keeping k tokens (each query picks its own best k).",
-            "",
-            "| k | mean over layers | worst layer |",
-            "|---:|---:|---:|",
-        ]
-        out += [f"| {k} | {mean[k]:.4f} | {worst[k]:.4f} |" for k in ks]
-        out.append("")
+        mean = lambda k: sum(r[str(k)] for r in m["rows"]) / len(m["rows"])
+        worst = lambda k: min(r[str(k)] for r in m["rows"])
+        out += section(
+            f"Oracle attention mass: the best k keys per query (full cache, queries >= {m['start']})",
+            "k:r | mean over layers:r | worst layer:r",
+            [(k, f"{mean(k):.4f}", f"{worst(k):.4f}") for k in m["budgets"]],
+            m["command"],
+            ["Upper bound for any cache keeping k tokens (each query picks its own best k)."],
+        )
     if "sweep" in results:
         w = results["sweep"]
-        out += [
-            f"## Sweep: H2O query oneshot at budget {w['budget']}, one change at a time",
-            "",
-            f"`{w['command']}`",
-            "",
-            f"Full KVCache: {w['full_ppl']:.3f}",
-            "",
-            "| variant | ppl | vs full |",
-            "|---|---:|---:|",
-        ]
-        out += [
-            f"| {r['name']} | {r['ppl']:.3f} | {100 * (r['ppl'] / w['full_ppl'] - 1):+.1f}% |"
-            for r in w["rows"]
-        ]
-        out.append("")
+        out += section(
+            f"Sweep: H2O query oneshot at budget {w['budget']}, one change at a time",
+            "variant:l | ppl:r | vs full:r",
+            [
+                (r["name"], f"{r['ppl']:.3f}", f"{100 * (r['ppl'] / w['full_ppl'] - 1):+.1f}%")
+                for r in w["rows"]
+            ],
+            w["command"],
+            [f"Full KVCache: {w['full_ppl']:.3f}"],
+        )
     if "agree" in results:
         a = results["agree"]
-        out += [
-            f"## Generation agreement: {len(a['prompts'])} chat prompts, {a['tokens']} greedy tokens",
-            "",
-            f"`{a['command']}`",
-            "",
-            "Tokens until the first divergence from the full cache (mean over prompts; "
-            f"{a['tokens']} = never diverged), repeated 4-grams (full cache: "
-            f"{a['full_repeat']:.3f}) and the longest single-token run.",
-            "",
-            "| cache | budget | agree (mean) | per prompt | repeated 4-grams | longest run |",
-            "|---|---:|---:|---|---:|---:|",
-        ]
-        for r in a["rows"]:
-            out.append(
-                f"| {r['name']} | {r['budget']} | {r['agree_mean']:.1f} | {r['agree']} | "
-                f"{r['repeat_mean']:.3f} | {r['longest_run']} |"
-            )
-        out.append("")
+        out += section(
+            f"Generation agreement: {len(a['prompts'])} chat prompts, {a['tokens']} greedy tokens",
+            "cache:l | budget:r | agree (mean):r | per prompt:l | repeated 4-grams:r | longest run:r",
+            [
+                (
+                    r["name"],
+                    r["budget"],
+                    f"{r['agree_mean']:.1f}",
+                    r["agree"],
+                    f"{r['repeat_mean']:.3f}",
+                    r["longest_run"],
+                )
+                for r in a["rows"]
+            ],
+            a["command"],
+            [
+                "Tokens until the first divergence from the full cache (mean over prompts; "
+                f"{a['tokens']} = never diverged), repeated 4-grams (full cache: "
+                f"{a['full_repeat']:.3f}) and the longest single-token run."
+            ],
+        )
     if "retrieval" in results:
         r = results["retrieval"]
-        out += [
-            f"## Pass-key retrieval: {r['context']} tokens, depths {r['depths']}, {r['trials']} keys each",
-            "",
-            f"`{r['command']}`",
-            "",
-            "| cache | budget | accuracy |",
-            "|---|---:|---:|",
-        ]
-        for row in r["rows"]:
-            out.append(f"| {row['name']} | {row['budget'] or '-'} | {row['accuracy']:.2f} |")
-        out.append("")
+        out += section(
+            f"Pass-key retrieval: {r['context']} tokens, depths {r['depths']}, {r['trials']} keys each",
+            "cache:l | budget:r | accuracy:r",
+            [(row["name"], row["budget"] or "-", f"{row['accuracy']:.2f}") for row in r["rows"]],
+            r["command"],
+        )
     return "\n".join(out)
 
 

@@ -84,3 +84,21 @@ def start_run(command: str, argv: List[str], args) -> Tuple[Path, dict]:
     }
     print(header["blas"], flush=True)
     return out, header
+
+
+def section(title: str, columns: str, rows, command: Optional[str] = None, notes=()) -> List[str]:
+    """A markdown section: heading, the command that produced it, notes, then a table.
+
+    `columns` is "name:align | name:align ..." with align "l" (left) or "r" (right).
+    """
+    names, aligns = zip(*(c.strip().rsplit(":", 1) for c in columns.split("|")))
+    lines = [f"## {title}", ""]
+    lines += [f"`{command}`", ""] if command else []
+    for note in notes:
+        lines += [note, ""]
+    lines += [
+        "| " + " | ".join(names) + " |",
+        "|" + "|".join("---:" if a == "r" else "---" for a in aligns) + "|",
+    ]
+    lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
+    return lines + [""]
