@@ -1,9 +1,19 @@
 """h2o-fn: heavy-hitter (H2O) KV-cache eviction for MLX.
 
 The pure core: `init`, `step`, `absorb`, `evict`, `remap`, `kept_positions`
-over an immutable `H2OState`, configured by a validated `H2OConfig`.
-Adapters for mlx-lm live in `h2o_fn.adapters`, the fused kernel op in
-`h2o_fn.metal_ops`; this package imports neither.
+over an immutable `H2OState`, configured by a validated `H2OConfig`, plus the
+attention view an adapter slices (`h2o_fn.view`). Adapters for mlx-lm live in
+`h2o_fn.adapters`, the fused kernel op in `h2o_fn.metal_ops`; this package
+imports neither.
+
+Example:
+    >>> import mlx.core as mx
+    >>> import h2o_fn
+    >>> cfg = h2o_fn.H2OConfig(budget=16, n_sink=2, grace=4)
+    >>> kv = mx.random.normal((1, 2, 40, 8))
+    >>> state = h2o_fn.absorb(h2o_fn.init(cfg, 1, 2, 8), kv, kv, cfg)
+    >>> state.length.tolist(), state.seen.tolist(), h2o_fn.check_invariants(state, cfg)
+    ([16], [40], [])
 """
 
 from .config import H2OConfig
@@ -13,16 +23,18 @@ from .core import (
     admit,
     compiled_step,
     evict,
+    evict_lowest,
     init,
     kept_positions,
     key_weights,
     protected_argmin,
     rewind,
+    settle,
     step,
 )
 from .invariants import assert_invariants, check_invariants
 from .rope import remap
-from .state import H2OState
+from .state import H2OState, state_nbytes
 
 __all__ = [
     "H2OConfig",
@@ -34,11 +46,14 @@ __all__ = [
     "check_invariants",
     "compiled_step",
     "evict",
+    "evict_lowest",
     "init",
     "kept_positions",
     "key_weights",
     "protected_argmin",
     "remap",
     "rewind",
+    "settle",
+    "state_nbytes",
     "step",
 ]

@@ -14,6 +14,12 @@ Per token t (one (b, h) row; S = the kept set):
 Weights are sanitised before they are added: NaN, +-inf and negative entries
 count as 0, so scores stay finite and >= 0 whatever the keys hold.
 
+Batch rows count on their own (`length`, `seen` are `[B]`). A row can sit a token
+out: `alive` `[B]` (one token) or `n_alive` `[B]` (the first n_alive[b] tokens of a
+chunk are real, the rest padding): padding is never kept, never scores and never
+decays anyone's score. With `config.kv_bits` the rows are stored quantized and
+scoring reads them dequantized (a token's key counts as its stored value).
+
 Example:
     >>> import mlx.core as mx
     >>> from h2o_fn import H2OConfig, init, step, kept_positions
@@ -22,8 +28,8 @@ Example:
     >>> for _ in range(20):
     ...     kv = mx.random.normal((1, 2, 1, 16)).astype(mx.float16)
     ...     state = step(state, kv, kv, cfg)
-    >>> kept_positions(state).shape
-    (1, 2, 9)
+    >>> kept_positions(state).shape, state.length.tolist(), state.seen.tolist()
+    ((1, 2, 9), [8], [20])
 """
 
 import functools
@@ -31,28 +37,48 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
+from . import storage
 from .config import H2OConfig
 from .state import H2OState
 
 INT32_MAX = 2**31 - 1
 
-# argmin(scores [B,H,C] f32, positions [B,H,C] i32, newest [] i32, n_sink, grace) -> [B,H] i32
+# argmin(scores [B,H,C] f32, positions [B,H,C] i32, newest [B] or [] i32, n_sink, grace) -> [B,H] i32
 Argmin = Callable[..., mx.array]
 
 
 def init(
-    config: H2OConfig, batch: int, n_heads: int, head_dim: int, dtype=mx.float16
+    config: H2OConfig, batch: int, n_heads: int, head_dim: int, dtype=mx.float16,
+    value_dim: Optional[int] = None,
 ) -> H2OState:
-    """An empty state: keys/values `[B, H, C, D]` zeros, every slot free."""
+    """An empty state: keys `[B, H, C, D]`, values `[B, H, C, value_dim or D]`, every slot free.
+
+    With `config.kv_bits` each store is mx.quantize's triple (head_dim and value_dim
+    must split into groups of `config.kv_group_size`).
+    """
     shape = (batch, n_heads, config.capacity)
+    bits, group = config.kv_bits, config.kv_group_size
     return H2OState(
-        keys=mx.zeros((*shape, head_dim), dtype=dtype),
-        values=mx.zeros((*shape, head_dim), dtype=dtype),
+        keys=storage.empty(shape, head_dim, dtype, bits, group),
+        values=storage.empty(shape, value_dim or head_dim, dtype, bits, group),
         scores=mx.zeros(shape, dtype=mx.float32),
         positions=mx.full(shape, -1, dtype=mx.int32),
-        length=mx.array(0, dtype=mx.int32),
-        seen=mx.array(0, dtype=mx.int32),
+        length=mx.zeros((batch,), dtype=mx.int32),
+        seen=mx.zeros((batch,), dtype=mx.int32),
     )
+
+
+def _per_row(x: mx.array, ndim: int = 3) -> mx.array:
+    """A `[B]` array shaped to broadcast against `[B, ...]` of `ndim` axes ([] stays [])."""
+    return x.reshape(x.shape[0], *([1] * (ndim - 1))) if x.ndim == 1 else x
+
+
+def evictable(positions: mx.array, newest: mx.array, n_sink: int, grace: int) -> mx.array:
+    """The protection rule: held tokens that are neither sinks (p < n_sink) nor in the
+    grace window (p > newest - grace). Free slots (p = -1) never qualify (n_sink >= 0).
+
+    `newest` is `[]` or per row `[B]` (for `positions` `[B, ...]`)."""
+    return (positions >= n_sink) & (positions <= _per_row(newest, positions.ndim) - grace)
 
 
 def protected_argmin(
@@ -63,15 +89,22 @@ def protected_argmin(
     Args:
       scores: `[B, H, C]` float32. NaN orders as -inf (a corrupt score goes first).
       positions: `[B, H, C]` int32, -1 for a free slot (never chosen).
-      newest: `[]` int32, the newest absorbed position t.
+      newest: `[]` or `[B]` int32, the newest absorbed position t (per row).
       n_sink, grace: positions `< n_sink` and `> t - grace` are protected.
 
     Returns:
       `[B, H]` int32 slot index, or -1 where no slot is evictable.
 
     This is the spec of the fused kernel in `h2o_fn.metal_ops`: comparisons only.
+
+    Example:
+        >>> import mlx.core as mx
+        >>> s = mx.array([[[0.5, 0.1, 0.1, 0.0]]])
+        >>> p = mx.array([[[0, 3, 1, 5]]], dtype=mx.int32)
+        >>> protected_argmin(s, p, mx.array([5], dtype=mx.int32), 1, 1).tolist()  # 5 is in grace
+        [[2]]
     """
-    candidate = (positions >= n_sink) & (positions <= newest - grace)
+    candidate = evictable(positions, newest, n_sink, grace)
     key = mx.where(candidate, mx.where(mx.isnan(scores), -mx.inf, scores), mx.inf)
     tied = candidate & (key == mx.min(key, axis=-1, keepdims=True))
     slot = mx.argmin(mx.where(tied, positions, INT32_MAX), axis=-1).astype(mx.int32)  # unique positions
@@ -84,12 +117,20 @@ def clean_weights(weights: mx.array) -> mx.array:
     return mx.where((w > 0) & (w < mx.inf), w, 0.0)
 
 
-def key_weights(state: H2OState, queries: mx.array) -> mx.array:
+def key_weights(state: H2OState, queries: mx.array, config: H2OConfig) -> mx.array:
     """Key-as-query proxy weights of `queries` `[B, H, N, D]` over the valid slots.
 
     Returns `[B, H, N, C]` float32 softmax weights (0 on free slots; all 0 when S is empty).
+
+    Example:
+        >>> import mlx.core as mx
+        >>> from h2o_fn import H2OConfig, init, absorb, key_weights
+        >>> cfg = H2OConfig(budget=8, n_sink=1, grace=1)
+        >>> s = absorb(init(cfg, 1, 1, 4), mx.ones((1, 1, 3, 4)), mx.ones((1, 1, 3, 4)), cfg)
+        >>> key_weights(s, mx.ones((1, 1, 1, 4)), cfg)[0, 0, 0, :4].tolist()
+        [0.3333333432674408, 0.3333333432674408, 0.3333333432674408, 0.0]
     """
-    return _proxy_weights(state.keys, state.positions >= 0, queries)
+    return _proxy_weights(_dense(state.keys, config), state.positions >= 0, queries)
 
 
 def _proxy_weights(keys: mx.array, visible: mx.array, queries: mx.array) -> mx.array:
@@ -111,51 +152,77 @@ def _f32(x: mx.array) -> mx.array:
     return _as(x, mx.float32)
 
 
-def admit(state: H2OState, key: mx.array, value: mx.array) -> H2OState:
+def _dense(store, config: H2OConfig) -> mx.array:
+    return storage.dense(store, config.kv_bits, config.kv_group_size)
+
+
+def stored_rows(rows: mx.array, like, config: H2OConfig):
+    """New rows `[B, H, N, D]` as a store would hold them: cast to its dtype, quantized
+    when `config.kv_bits` (a store or its arrays only give the dtype)."""
+    return storage.quantize(_as(rows, storage.dtype_of(like)), config.kv_bits, config.kv_group_size)
+
+
+def _scored(keys: mx.array, like, config: H2OConfig) -> mx.array:
+    """The keys as scoring sees them: as given, or their stored (dequantized) values."""
+    if config.kv_bits is None:
+        return keys
+    return _dense(stored_rows(keys, like, config), config)
+
+
+def admit(state: H2OState, key: mx.array, value: mx.array, config: H2OConfig,
+          alive: Optional[mx.array] = None) -> H2OState:
     """Write one token `[B, H, 1, D]` into the first free slot with score 0.
 
     Needs a free slot (`length <= budget`, true after every `step`/`evict`). The
-    result may hold budget + 1 tokens: `accumulate` then `evict` finish the step.
+    result may hold budget + 1 tokens: `settle` (or `accumulate` then `evict`)
+    finishes the step. Rows where `alive` `[B]` is False take nothing (the row is
+    written into the free slot, which stays free).
     """
-    return _admit(state, key, value)[0]
+    return _admit(state, key, value, config, alive)[0]
 
 
-def _admit(state: H2OState, key: mx.array, value: mx.array):
+def _admit(state: H2OState, key, value, config, alive):
     """`admit`, also returning the `[B, H, C]` mask of the slots free before it."""
     free = state.positions < 0
     slot = mx.argmax(free, axis=-1)  # [B, H]
     here = mx.arange(state.positions.shape[-1]) == slot[..., None]
+    add = 1
+    if alive is not None:
+        here = here & _per_row(alive)
+        add = alive.astype(mx.int32)
     index = slot[..., None, None]
     return H2OState(  # a free slot already scores 0
-        keys=mx.put_along_axis(state.keys, index, _as(key, state.keys.dtype), axis=2),
-        values=mx.put_along_axis(state.values, index, _as(value, state.values.dtype), axis=2),
+        keys=storage.write(state.keys, index, stored_rows(key, state.keys, config)),
+        values=storage.write(state.values, index, stored_rows(value, state.values, config)),
         scores=state.scores,
-        positions=mx.where(here, state.seen, state.positions),
-        length=state.length + 1,
-        seen=state.seen + 1,
+        positions=mx.where(here, _per_row(state.seen), state.positions),
+        length=state.length + add,
+        seen=state.seen + add,
     ), free
 
 
-def accumulate(state: H2OState, weights: mx.array, config: H2OConfig) -> H2OState:
-    """Decay then add: s_j <- decay * s_j + w_j on valid slots. `weights` `[B, H, C]`."""
+def accumulate(state: H2OState, weights: mx.array, config: H2OConfig,
+               alive: Optional[mx.array] = None) -> H2OState:
+    """Decay then add: s_j <- decay * s_j + w_j on valid slots. `weights` `[B, H, C]`.
+
+    Rows where `alive` `[B]` is False keep their scores (padding decays nothing).
+    """
     valid = state.positions >= 0
-    return state._replace(scores=mx.where(valid, config.decay * state.scores + clean_weights(weights), 0.0))
-
-
-def _decay_add(state: H2OState, weights: mx.array, config: H2OConfig) -> H2OState:
-    """decay * s + w where free slots already hold s = 0 and w = 0 (no mask needed)."""
-    return state._replace(scores=config.decay * state.scores + weights)
+    new = config.decay * state.scores + clean_weights(weights)
+    if alive is not None:
+        new = mx.where(_per_row(alive), new, state.scores)
+    return state._replace(scores=mx.where(valid, new, 0.0))
 
 
 def evict(state: H2OState, config: H2OConfig, argmin: Argmin = protected_argmin) -> H2OState:
-    """Evict one token per (b, h) if the state holds more than `budget` tokens.
+    """Evict one token per (b, h) of every row that holds more than `budget` tokens.
 
     A state holds at most budget + 1 tokens (C slots), so one eviction always
     brings it down to budget. The freed slot keeps its stale key/value rows.
     """
-    over = state.length > config.budget
+    over = state.length > config.budget  # [B]
     slot = argmin(state.scores, state.positions, state.seen - 1, config.n_sink, config.grace)
-    drop = (mx.arange(state.positions.shape[-1]) == slot[..., None]) & over
+    drop = (mx.arange(state.positions.shape[-1]) == slot[..., None]) & _per_row(over)
     return state._replace(
         scores=mx.where(drop, 0.0, state.scores),
         positions=mx.where(drop, -1, state.positions),
@@ -163,36 +230,70 @@ def evict(state: H2OState, config: H2OConfig, argmin: Argmin = protected_argmin)
     )
 
 
+def settle(admitted: H2OState, weights: mx.array, config: H2OConfig,
+           argmin: Argmin = protected_argmin, alive: Optional[mx.array] = None) -> H2OState:
+    """The rest of a step once its weights `[B, H, C]` (over the admitted state's slots)
+    are known: decay-add them, then evict down to budget."""
+    return evict(accumulate(admitted, weights, config, alive), config, argmin)
+
+
 def step(
     state: H2OState,
     key: mx.array,
     value: mx.array,
     config: H2OConfig,
+    weights: Optional[mx.array] = None,
     argmin: Argmin = protected_argmin,
+    alive: Optional[mx.array] = None,
 ) -> H2OState:
-    """One token `[B, H, 1, D]` with key-proxy scoring: weights, decay-add, admit, evict.
+    """One token `[B, H, 1, D]`: weights, decay-add, admit, evict.
 
-    After it, the token's key/value rows sit in the state's keys/values even if
-    an older token was just evicted, so `keys[..., :min(seen, C), :]` is exactly
-    S_{t-1} + {t}: what this token's attention must see.
+    Args:
+      weights: `[B, H, 1, C + 1]` for `scoring="query"` (refused for "key"): column
+        j < C is the token in slot j of `state`, column C the new token itself.
+      alive: optional `[B]` bool; False rows take no token (padding).
+
+    After it, the token's key/value rows sit in the state's stores even if an older
+    token was just evicted, so `storage.head(keys, length + 1)` of the state before
+    the step, admitted, is exactly S_{t-1} + {t}: what this token's attention sees.
     """
-    if config.scoring != "key":
-        raise ValueError(
-            f"step computes key-proxy weights but config.scoring={config.scoring!r}; "
-            "expected 'key' (for 'query' use absorb(..., weights=) or admit/accumulate/evict)"
-        )
-    _check_chunk(state, key, value, n=1)
+    _check_chunk(state, key, value, config, n=1)
+    _check_weights(state, key, config, weights)
     # admit first: the weights then read the written keys (the new token masked out),
     # so MLX can write the row into the old buffer instead of copying the cache
-    state, free_before = _admit(state, key, value)
-    weights = _proxy_weights(state.keys, ~free_before, key)[..., 0, :]  # over S_{t-1}
-    return evict(_decay_add(state, weights, config), config, argmin)
+    admitted, free_before = _admit(state, key, value, config, alive)
+    if weights is not None:
+        first_free = mx.argmax(free_before, axis=-1)[..., None]
+        own = mx.arange(free_before.shape[-1]) == first_free
+        w = mx.where(own, weights[..., 0, -1:], weights[..., 0, :-1])
+        return settle(admitted, w, config, argmin, alive)
+    w = _proxy_weights(_dense(admitted.keys, config), ~free_before, _scored(key, state.keys, config))
+    if alive is not None:
+        return settle(admitted, w[..., 0, :], config, argmin, alive)
+    # proxy weights are exactly 0 on free slots and on the new token: no mask needed
+    return evict(admitted._replace(scores=config.decay * admitted.scores + w[..., 0, :]), config, argmin)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_step(config: H2OConfig, argmin: Argmin = protected_argmin):
-    """`step` for a fixed config under `mx.compile` (one trace per input shape)."""
-    return mx.compile(lambda state, key, value: step(state, key, value, config, argmin))
+    """`step` for a fixed config under `mx.compile`: `fn(state, key, value, weights=None,
+    alive=None)`, one trace per input shape and per which optional arrays are given.
+
+    Example:
+        >>> import mlx.core as mx
+        >>> from h2o_fn import H2OConfig, init, compiled_step
+        >>> cfg = H2OConfig(budget=4, n_sink=1, grace=1)
+        >>> fast, s = compiled_step(cfg), init(cfg, 1, 1, 8)
+        >>> for _ in range(6):
+        ...     s = fast(s, mx.ones((1, 1, 1, 8)), mx.ones((1, 1, 1, 8)))
+        >>> s.length.tolist(), s.seen.tolist()
+        ([4], [6])
+    """
+
+    def one(state, key, value, weights=None, alive=None):
+        return step(state, key, value, config, weights, argmin, alive)
+
+    return mx.compile(one)
 
 
 def absorb(
@@ -202,6 +303,7 @@ def absorb(
     config: H2OConfig,
     weights: Optional[mx.array] = None,
     argmin: Argmin = protected_argmin,
+    n_alive: Optional[mx.array] = None,
 ) -> H2OState:
     """Absorb a chunk of N tokens `[B, H, N, D]`; the result holds at most `budget`.
 
@@ -210,39 +312,43 @@ def absorb(
         for `scoring="query"` and refused for "key". Column j < C is the token in
         slot j of `state` (ignored where the slot is free); column C + i is chunk
         token i (ignored where i > the query's own index).
+      n_alive: optional `[B]` int32: row b's first n_alive[b] tokens are real, the
+        rest is padding (never kept, never scored, decays nothing). Default: all N.
 
     `config.prefill`:
       "greedy": exactly N single-token steps (one weight pass while nothing can be
         evicted, token by token after). Reads `state.length` once (one sync).
       "oneshot": all weights at once (query i sees S and the chunk up to i), scores
-        s <- decay^N s + sum_i decay^(N-1-i) w_i, then the lowest (score, position)
-        unprotected tokens are evicted down to budget. Survivors are stored sorted
-        by position. Fixed shapes, no sync: compiles.
+        s <- decay^n s + sum_i decay^(n-1-i) w_i (n = the row's real tokens), then the
+        lowest (score, position) unprotected tokens are evicted down to budget.
+        Survivors are stored sorted by position. Fixed shapes, no sync: compiles.
+
+    Example:
+        >>> import mlx.core as mx
+        >>> from h2o_fn import H2OConfig, init, absorb
+        >>> cfg = H2OConfig(budget=4, n_sink=1, grace=1)
+        >>> kv = mx.random.normal((2, 1, 6, 8))
+        >>> s = absorb(init(cfg, 2, 1, 8), kv, kv, cfg, n_alive=mx.array([6, 2]))
+        >>> s.length.tolist(), s.seen.tolist()
+        ([4, 2], [6, 2])
     """
-    n = _check_chunk(state, keys, values)
-    if (weights is None) != (config.scoring == "key"):
-        raise ValueError(
-            f"absorb got weights={None if weights is None else tuple(weights.shape)} with "
-            f"config.scoring={config.scoring!r}: expected weights [B, H, N, C + N] exactly "
-            "when scoring='query'"
-        )
-    if weights is not None:
-        expected = (*keys.shape[:3], config.capacity + n)
-        if tuple(weights.shape) != expected:
-            raise ValueError(f"weights shape {tuple(weights.shape)} is invalid: expected {expected}")
+    n = _check_chunk(state, keys, values, config)
+    _check_weights(state, keys, config, weights)
+    if n_alive is not None and (n_alive.ndim != 1 or n_alive.shape[0] != keys.shape[0]):
+        raise ValueError(f"n_alive shape {tuple(n_alive.shape)} is invalid: expected [B={keys.shape[0]}]")
     if config.prefill == "oneshot":
-        return _absorb_oneshot(state, keys, values, config, weights)
-    return _absorb_greedy(state, keys, values, config, weights, argmin)
+        return _absorb_oneshot(state, keys, values, config, weights, n_alive)
+    return _absorb_greedy(state, keys, values, config, weights, argmin, n_alive, n)
 
 
 def rewind(state: H2OState, n: int) -> H2OState:
-    """Forget the n newest tokens; only meaningful while nothing has been evicted.
+    """Forget the n newest tokens of every row; only meaningful while nothing has been evicted.
 
-    Their slots are freed (they are the last n of the valid prefix). The scores of
-    the tokens that stay keep the mass the forgotten tokens gave them: under decay
+    Their slots are freed (they are the last n of each row's valid prefix). The scores
+    of the tokens that stay keep the mass the forgotten tokens gave them: under decay
     it cannot be subtracted exactly.
     """
-    gone = state.positions >= state.seen - n
+    gone = state.positions >= _per_row(state.seen) - n
     return state._replace(
         scores=mx.where(gone, 0.0, state.scores),
         positions=mx.where(gone, -1, state.positions),
@@ -252,17 +358,29 @@ def rewind(state: H2OState, n: int) -> H2OState:
 
 
 def kept_positions(state: H2OState) -> mx.array:
-    """Kept positions per (b, h), ascending, padded with -1 at the end: `[B, H, C]` int32."""
+    """Kept positions per (b, h), ascending, padded with -1 at the end: `[B, H, C]` int32.
+
+    Example:
+        >>> import mlx.core as mx
+        >>> from h2o_fn import H2OConfig, init, absorb, kept_positions
+        >>> cfg = H2OConfig(budget=4, n_sink=1, grace=1, decay=1.0)
+        >>> kv = mx.zeros((1, 1, 7, 2))
+        >>> kept_positions(absorb(init(cfg, 1, 1, 2), kv, kv, cfg)).tolist()  # early tokens gather mass
+        [[[0, 1, 2, 6, -1]]]
+    """
     p = mx.sort(mx.where(state.positions < 0, INT32_MAX, state.positions), axis=-1)
     return mx.where(p == INT32_MAX, -1, p)
 
 
-# ---------------------------------------------------------------- chunk helpers
+# ---------------------------------------------------------------- checks
 
 
-def _check_chunk(state: H2OState, keys: mx.array, values: mx.array, n: Optional[int] = None) -> int:
-    B, H, _, D = state.keys.shape
-    for name, x in (("keys", keys), ("values", values)):
+def _check_chunk(state: H2OState, keys: mx.array, values: mx.array, config: H2OConfig,
+                 n: Optional[int] = None) -> int:
+    B, H, _ = state.positions.shape
+    widths = (("keys", keys, storage.width(state.keys, config.kv_bits)),
+              ("values", values, storage.width(state.values, config.kv_bits)))
+    for name, x, D in widths:
         if x.ndim != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != D:
             raise ValueError(
                 f"{name} shape {tuple(x.shape)} is invalid: expected [B={B}, H={H}, N, D={D}]"
@@ -277,10 +395,32 @@ def _check_chunk(state: H2OState, keys: mx.array, values: mx.array, n: Optional[
     return N
 
 
-def _chunk_weights(state: H2OState, keys: mx.array, weights: Optional[mx.array]) -> mx.array:
+def _check_weights(state: H2OState, keys: mx.array, config: H2OConfig, weights) -> None:
+    if (weights is None) != (config.scoring == "key"):
+        raise ValueError(
+            f"got weights={None if weights is None else tuple(weights.shape)} with "
+            f"config.scoring={config.scoring!r}: expected weights [B, H, N, C + N] exactly "
+            "when scoring='query'"
+        )
+    if weights is not None:
+        expected = (*keys.shape[:3], state.positions.shape[-1] + keys.shape[2])
+        if tuple(weights.shape) != expected:
+            raise ValueError(f"weights shape {tuple(weights.shape)} is invalid: expected {expected}")
+
+
+# ---------------------------------------------------------------- chunk helpers
+
+
+def _alive_mask(N: int, n_alive: Optional[mx.array]) -> Optional[mx.array]:
+    """`[B, 1, N]` bool: chunk token i of row b is real; None when every token is."""
+    return None if n_alive is None else (mx.arange(N) < n_alive[:, None])[:, None, :]
+
+
+def _chunk_weights(state, keys, chunk_store, config, weights, n_alive) -> mx.array:
     """`[B, H, N, C + N]` float32 weights of the chunk's queries: slots then chunk tokens.
 
     Key proxy: token i sees S and chunk tokens before it. Query: also itself.
+    Padding neither sees (its row is 0) nor is seen (its column is 0).
     """
     B, H, N, _ = keys.shape
     C = state.positions.shape[-1]
@@ -291,19 +431,29 @@ def _chunk_weights(state: H2OState, keys: mx.array, weights: Optional[mx.array])
          mx.broadcast_to(own, (B, H, N, N))],
         axis=-1,
     )
+    alive = _alive_mask(N, n_alive)
+    if alive is not None:
+        real = alive[..., :, None] & mx.concatenate(
+            [mx.ones((B, 1, 1, C), dtype=mx.bool_), alive[..., None, :]], axis=-1)
+        visible = visible & real
     if weights is None:
-        k = keys.astype(mx.float32)
-        stored = mx.concatenate([state.keys.astype(mx.float32), k], axis=2)
+        k = _f32(keys if config.kv_bits is None else _dense(chunk_store, config))
+        stored = mx.concatenate([_f32(_dense(state.keys, config)), k], axis=2)
         logits = (k @ stored.swapaxes(-1, -2)) * keys.shape[-1] ** -0.5
         weights = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
     return clean_weights(mx.where(visible, weights, 0.0))
 
 
-def _decayed_sum(w: mx.array, decay: float) -> mx.array:
-    """sum_i decay^(N-1-i) w[..., i, :] for `w` `[B, H, N, M]` -> `[B, H, M]`."""
+def _decayed_sum(w: mx.array, decay: float, n_alive: Optional[mx.array]) -> mx.array:
+    """sum_i decay^(n-1-i) w[..., i, :] for `w` `[B, H, N, M]` -> `[B, H, M]`.
+
+    n = N, or per row n_alive (padding rows of `w` are 0 already)."""
     N = w.shape[2]
-    powers = mx.power(mx.array(decay, dtype=mx.float32), mx.arange(N - 1, -1, -1).astype(mx.float32))
-    return (powers[:, None] * w).sum(axis=2)
+    last = mx.array(N - 1, dtype=mx.float32) if n_alive is None else _per_row(n_alive - 1, 2)
+    exponent = mx.maximum(last - mx.arange(N, dtype=mx.float32), 0.0)  # [N] or [B, N]
+    powers = mx.power(mx.array(decay, dtype=mx.float32), _f32(exponent))
+    powers = powers[:, None] if powers.ndim == 1 else powers[:, None, :, None]
+    return (powers * w).sum(axis=2)
 
 
 def _sort_key(scores: mx.array, positions: mx.array) -> mx.array:
@@ -319,88 +469,98 @@ def evict_lowest(scores: mx.array, positions: mx.array, k: mx.array, newest: mx.
                  n_sink: int, grace: int) -> mx.array:
     """Mask `[B, H, M]` of the k lowest (score, position) unprotected tokens per (b, h).
 
-    Equals k successive `protected_argmin` evictions: removing a token never
-    changes the other scores, so the i-th single eviction takes the i-th lowest.
+    `k` and `newest` are `[]` or per row `[B]`. Equals k successive `protected_argmin`
+    evictions: removing a token never changes the other scores, so the i-th single
+    eviction takes the i-th lowest.
     """
-    candidate = (positions >= n_sink) & (positions <= newest - grace)
+    candidate = evictable(positions, newest, n_sink, grace)
     last = mx.array(2**32 - 1, mx.uint32).astype(mx.uint64)
     key = mx.where(candidate, _sort_key(scores, positions), (last << 32) | last)
     rank = mx.argsort(mx.argsort(key, axis=-1), axis=-1)
-    return candidate & (rank < k)
+    return candidate & (rank < _per_row(k, positions.ndim))
 
 
-def _absorb_oneshot(state, keys, values, config, weights) -> H2OState:
-    N, C = keys.shape[2], config.capacity
-    w = _chunk_weights(state, keys, weights)
-    mass = _decayed_sum(w, config.decay)  # [B, H, C + N]
-    B, H = keys.shape[:2]
+def _absorb_oneshot(state, keys, values, config, weights, n_alive) -> H2OState:
+    B, H, N, _ = keys.shape
+    C = config.capacity
+    real = mx.full((B,), N, dtype=mx.int32) if n_alive is None else _as(n_alive, mx.int32)
+    chunk_keys = stored_rows(keys, state.keys, config)
+    w = _chunk_weights(state, keys, chunk_keys, config, weights, n_alive)
+    mass = _decayed_sum(w, config.decay, n_alive)  # [B, H, C + N]
+    arange = mx.arange(N, dtype=mx.int32)
+    chunk_positions = mx.where(arange < real[:, None], state.seen[:, None] + arange, -1)  # [B, N]
     positions = mx.concatenate(
-        [state.positions, mx.broadcast_to(state.seen + mx.arange(N, dtype=mx.int32), (B, H, N))],
-        axis=-1,
+        [state.positions, mx.broadcast_to(chunk_positions[:, None], (B, H, N))], axis=-1
     )
-    old = mx.concatenate([(config.decay ** N) * state.scores, mx.zeros((B, H, N))], axis=-1)
+    if n_alive is None:
+        faded = (config.decay ** N) * state.scores
+    else:
+        faded = state.scores * _per_row(mx.power(mx.array(config.decay, mx.float32), _f32(real)))
+    old = mx.concatenate([faded, mx.zeros((B, H, N))], axis=-1)
     scores = mx.where(positions >= 0, old + mass, 0.0)
-    total = state.length + N
-    newest = state.seen + N - 1
+    total = state.length + real
+    newest = state.seen + real - 1
     gone = evict_lowest(scores, positions, total - config.budget, newest, config.n_sink, config.grace)
     keep = (positions >= 0) & ~gone
     order = mx.argsort(mx.where(keep, positions, INT32_MAX), axis=-1)[..., :C]  # survivors first
     kept = mx.take_along_axis(keep, order, axis=-1)
-
-    def gather(x, y):
-        return mx.take_along_axis(mx.concatenate([x, y.astype(x.dtype)], axis=2), order[..., None], axis=2)
-
     return H2OState(
-        keys=gather(state.keys, keys),
-        values=gather(state.values, values),
+        keys=storage.take(storage.concat(state.keys, chunk_keys), order),
+        values=storage.take(storage.concat(state.values, stored_rows(values, state.values, config)), order),
         scores=mx.where(kept, mx.take_along_axis(scores, order, axis=-1), 0.0),
         positions=mx.where(kept, mx.take_along_axis(positions, order, axis=-1), -1),
         length=mx.minimum(total, config.budget).astype(mx.int32),
-        seen=state.seen + N,
+        seen=state.seen + real,
     )
 
 
-def _absorb_greedy(state, keys, values, config, weights, argmin) -> H2OState:
-    N, C = keys.shape[2], config.capacity
-    length = state.length.item()
-    n0 = min(N, max(config.budget - length, 0))
-    if n0 > 0:  # nothing can be evicted: one weight pass, rows written after the valid prefix
+def _absorb_greedy(state, keys, values, config, weights, argmin, n_alive, N) -> H2OState:
+    C = config.capacity
+    lengths = state.length.tolist()
+    n0 = 0
+    if n_alive is None and len(set(lengths)) == 1:  # equal rows: one pass while none can evict
+        n0 = min(N, max(config.budget - lengths[0], 0))
+    if n0 > 0:  # rows written after the valid prefix
+        length = lengths[0]
         w0 = None if weights is None else mx.concatenate(
             [weights[:, :, :n0, :C], weights[:, :, :n0, C : C + n0]], axis=-1
         )
-        mass = _decayed_sum(_chunk_weights(state, keys[:, :, :n0], w0), config.decay)
+        head = keys[:, :, :n0]
+        chunk_keys = stored_rows(head, state.keys, config)
+        mass = _decayed_sum(_chunk_weights(state, head, chunk_keys, config, w0, None), config.decay, None)
         scores = mx.where(state.positions >= 0, (config.decay ** n0) * state.scores + mass[..., :C], 0.0)
         stop = length + n0
         state = H2OState(
-            keys=_put_rows(state.keys, keys[:, :, :n0], length),
-            values=_put_rows(state.values, values[:, :, :n0], length),
+            keys=storage.put(state.keys, chunk_keys, length),
+            values=storage.put(state.values, stored_rows(values[:, :, :n0], state.values, config), length),
             scores=mx.concatenate([scores[..., :length], mass[..., C:], scores[..., stop:]], axis=-1),
             positions=mx.concatenate(
                 [state.positions[..., :length],
-                 mx.broadcast_to(state.seen + mx.arange(n0, dtype=mx.int32), (*keys.shape[:2], n0)),
+                 mx.broadcast_to((state.seen[:, None] + mx.arange(n0, dtype=mx.int32))[:, None],
+                                 (*keys.shape[:2], n0)),
                  state.positions[..., stop:]],
                 axis=-1,
             ),
             length=state.length + n0,
             seen=state.seen + n0,
         )
-    if weights is None:
-        one = compiled_step(config, argmin)
-        for i in range(n0, N):
-            state = one(state, keys[:, :, i : i + 1], values[:, :, i : i + 1])
-        return state
-    # query weights: track which weight column each slot's token has
-    slot = mx.arange(C)
-    column = mx.where(slot < length, slot, C + slot - length)
-    column = mx.broadcast_to(mx.where(slot < length + n0, column, slot), state.positions.shape)
+    one = compiled_step(config, argmin)
+    column = None
+    if weights is not None:  # which weight column holds each slot's token
+        slot = mx.arange(C)
+        start = lengths[0] if n0 else 0
+        column = mx.where(slot < start, slot, C + slot - start)
+        column = mx.broadcast_to(mx.where(slot < start + n0, column, slot), state.positions.shape)
     for i in range(n0, N):
-        state = admit(state, keys[:, :, i : i + 1], values[:, :, i : i + 1])
-        column = mx.where(state.positions == state.seen - 1, C + i, column)
-        state = accumulate(state, mx.take_along_axis(weights[:, :, i], column, axis=-1), config)
-        state = evict(state, config, argmin)
+        alive = None if n_alive is None else (i < n_alive)
+        w = None
+        if column is not None:
+            w = mx.concatenate([mx.take_along_axis(weights[:, :, i], column, axis=-1),
+                                weights[:, :, i, C + i : C + i + 1]], axis=-1)[:, :, None]
+        state = one(state, keys[:, :, i : i + 1], values[:, :, i : i + 1], w, alive)
+        if column is not None:
+            newest = (state.positions == _per_row(state.seen) - 1)
+            if alive is not None:
+                newest = newest & _per_row(alive)
+            column = mx.where(newest, C + i, column)
     return state
-
-
-def _put_rows(x: mx.array, rows: mx.array, start: int) -> mx.array:
-    """`x` `[B, H, C, D]` with rows `[B, H, n, D]` written at slots [start, start + n)."""
-    return mx.slice_update(x, rows.astype(x.dtype), mx.array([start]), axes=(2,))

@@ -20,18 +20,19 @@ from .state import H2OState
 def check_invariants(state: H2OState, config: H2OConfig) -> List[str]:
     """Violations of the H2O invariants in `state`, as messages ([] when it is sound).
 
-    Per (b, h): |S| <= budget and |S| == length; positions unique and in [0, seen);
-    every sink (p < n_sink) and every grace position (p > seen - 1 - grace) kept;
-    scores finite and >= 0; free slots hold position -1 and score 0; while
-    length < budget the valid slots are exactly [0, length).
+    Per (b, h): |S| <= budget and |S| == length[b]; positions unique and in
+    [0, seen[b]); every sink (p < n_sink) and every grace position
+    (p > seen[b] - 1 - grace) kept; scores finite and >= 0; free slots hold
+    position -1 and score 0; while length[b] < budget the valid slots are exactly
+    [0, length[b]).
     """
-    length, seen = int(state.length.item()), int(state.seen.item())
+    lengths, seens = state.length.tolist(), state.seen.tolist()
     problems = []
-    if length > config.budget:
-        problems.append(f"length {length} > budget {config.budget}")
-    must_keep = set(range(min(config.n_sink, seen))) | set(range(max(seen - config.grace, 0), seen))
     positions, scores = state.positions.tolist(), state.scores.tolist()
-    for b, (prow, srow) in enumerate(zip(positions, scores)):
+    for b, (prow, srow, length, seen) in enumerate(zip(positions, scores, lengths, seens)):
+        if length > config.budget:
+            problems.append(f"(b={b}) length {length} > budget {config.budget}")
+        must_keep = set(range(min(config.n_sink, seen))) | set(range(max(seen - config.grace, 0), seen))
         for h, (ps, ss) in enumerate(zip(prow, srow)):
             where = f"(b={b}, h={h})"
             kept = [p for p in ps if p >= 0]

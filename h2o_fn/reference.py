@@ -1,19 +1,32 @@
 """The executable spec: H2O per head in plain NumPy, float64, one loop per token.
 
-Same names as `h2o_fn.core` (`init`, `step`, `absorb`, `evict`, `kept_positions`),
-written for obviousness, not speed. A head is a list of `Token`s; there are no
-slots. Tie rule, stated once: evict the unprotected token with the lowest
-score, and among equal scores the lowest position (NaN scores count as -inf).
-The core keeps float32 scores: where two exact scores differ by less than
-float32 resolution the core sees a tie the spec does not (see tests/strategies.py).
+Same names as `h2o_fn.core` (`init`, `admit`, `accumulate`, `evict`, `settle`, `step`,
+`absorb`, `rewind`, `kept_positions`, `key_weights`), written for obviousness, not
+speed. A head is a list of `Token`s; there are no slots. Tie rule, stated once:
+evict the unprotected token with the lowest score, and among equal scores the
+lowest position (NaN scores count as -inf). The core keeps float32 scores: where
+two exact scores differ by less than float32 resolution the core sees a tie the
+spec does not (see tests/strategies.py).
 
 Query weights are indexed by absolute position, so they need no slot layout:
-`weights[b, h, i, p]` is chunk query i's weight on the token at position p.
+`weights[b, h, i, p]` is chunk query i's weight on row b's token at position p.
+Rows count on their own (`seen[b]`); padding (`alive`, `n_alive`) is skipped.
+Quantized storage is not modelled: feed the spec the keys the core stores
+(dequantized), and it keeps the same positions.
+
+Example:
+    >>> import numpy as np
+    >>> from h2o_fn import H2OConfig
+    >>> from h2o_fn import reference as ref
+    >>> cfg = H2OConfig(budget=3, n_sink=1, grace=1, decay=1.0)
+    >>> s = ref.absorb(ref.init(cfg, 1, 1, 2), np.zeros((1, 1, 5, 2)), np.zeros((1, 1, 5, 2)), cfg)
+    >>> ref.kept_positions(s)
+    [[[0, 1, 4]]]
 """
 
 import math
-from dataclasses import dataclass, replace
-from typing import List
+from dataclasses import dataclass, field, replace
+from typing import List, Optional
 
 import numpy as np
 
@@ -29,22 +42,22 @@ class Token:
 @dataclass
 class RefState:
     heads: List[List[List[Token]]]  # [B][H] -> kept tokens, in arrival order
-    seen: int = 0
+    seen: List[int] = field(default_factory=list)  # [B] tokens absorbed per row
     head_dim: int = 0
 
     @property
-    def length(self) -> int:
-        return len(self.heads[0][0]) if self.heads and self.heads[0] else 0
+    def length(self) -> List[int]:
+        return [len(row[0]) if row else 0 for row in self.heads]
 
 
-def init(config, batch: int, n_heads: int, head_dim: int, dtype=None) -> RefState:
-    del config, dtype
-    return RefState([[[] for _ in range(n_heads)] for _ in range(batch)], 0, head_dim)
+def init(config, batch: int, n_heads: int, head_dim: int, dtype=None, value_dim=None) -> RefState:
+    del config, dtype, value_dim
+    return RefState([[[] for _ in range(n_heads)] for _ in range(batch)], [0] * batch, head_dim)
 
 
 def _copy(state: RefState) -> RefState:
     heads = [[[replace(t) for t in head] for head in row] for row in state.heads]
-    return replace(state, heads=heads)
+    return replace(state, heads=heads, seen=list(state.seen))
 
 
 def clean(w: float) -> float:
@@ -52,7 +65,7 @@ def clean(w: float) -> float:
     return w if math.isfinite(w) and w > 0 else 0.0
 
 
-def key_weights(stored: List[Token], query: np.ndarray) -> List[float]:
+def _softmax_weights(stored: List[Token], query: np.ndarray) -> List[float]:
     """softmax_j(K_j . q / sqrt(D)) over `stored`; [] when nothing is stored."""
     if not stored:
         return []
@@ -61,6 +74,14 @@ def key_weights(stored: List[Token], query: np.ndarray) -> List[float]:
         w = np.exp(logits - np.max(logits))
         w = w / w.sum()
     return [clean(float(x)) for x in w]
+
+
+def key_weights(state: RefState, queries, config=None) -> List[List[List[List[float]]]]:
+    """Proxy weights [b][h][i] -> one weight per kept token (arrival order)."""
+    del config
+    queries = np.asarray(queries, dtype=np.float64)
+    return [[[_softmax_weights(head, q) for q in queries[b, h]] for h, head in enumerate(row)]
+            for b, row in enumerate(state.heads)]
 
 
 def _order(t: Token):
@@ -78,17 +99,52 @@ def _evict_head(head: List[Token], newest: int, config) -> List[Token]:
     return head
 
 
-def evict(state: RefState, config) -> RefState:
+def evict(state: RefState, config, argmin=None) -> RefState:
+    """Every row down to budget, one lowest (score, position) unprotected token at a time."""
+    del argmin
     state = _copy(state)
-    newest = state.seen - 1
-    state.heads = [[_evict_head(h, newest, config) for h in row] for row in state.heads]
+    state.heads = [[_evict_head(h, state.seen[b] - 1, config) for h in row]
+                   for b, row in enumerate(state.heads)]
     return state
+
+
+def _alive(alive, b: int) -> bool:
+    return True if alive is None else bool(np.asarray(alive)[b])
+
+
+def admit(state: RefState, key, value, config=None, alive=None) -> RefState:
+    """Append one token `[B, H, 1, D]` with score 0 to every alive row."""
+    del config
+    state = _copy(state)
+    key, value = np.asarray(key, np.float64), np.asarray(value, np.float64)
+    for b, row in enumerate(state.heads):
+        if _alive(alive, b):
+            for h, head in enumerate(row):
+                head.append(Token(state.seen[b], key[b, h, 0], value[b, h, 0]))
+            state.seen[b] += 1
+    return state
+
+
+def accumulate(state: RefState, weights, config, alive=None) -> RefState:
+    """s <- decay * s + w for alive rows; `weights` `[B, H, P]` by position."""
+    state = _copy(state)
+    weights = np.asarray(weights, np.float64)
+    for b, row in enumerate(state.heads):
+        if _alive(alive, b):
+            for h, head in enumerate(row):
+                for t in head:
+                    t.score = config.decay * t.score + clean(weights[b, h, t.position])
+    return state
+
+
+def settle(admitted: RefState, weights, config, argmin=None, alive=None) -> RefState:
+    return evict(accumulate(admitted, weights, config, alive), config)
 
 
 def _one_token(head, key, value, position, config, weight_of=None):
     """Steps 1-4 for one head; `weight_of(p)` gives query weights (None: key proxy)."""
     if weight_of is None:
-        w, own = key_weights(head, key), 0.0
+        w, own = _softmax_weights(head, key), 0.0
     else:
         w, own = [clean(weight_of(t.position)) for t in head], clean(weight_of(position))
     for t, wj in zip(head, w):
@@ -97,32 +153,36 @@ def _one_token(head, key, value, position, config, weight_of=None):
     return _evict_head(head, position, config)
 
 
-def step(state: RefState, key, value, config) -> RefState:
-    """One token `[B, H, 1, D]`, key-proxy scoring."""
-    assert config.scoring == "key"
-    return absorb(state, key, value, config._replace(prefill="greedy"))
+def step(state: RefState, key, value, config, weights=None, argmin=None, alive=None) -> RefState:
+    """One token `[B, H, 1, D]`; `weights` `[B, H, 1, P]` by position for scoring="query"."""
+    del argmin
+    n_alive = None if alive is None else np.asarray(alive).astype(int)
+    return absorb(state, key, value, config._replace(prefill="greedy"), weights, n_alive=n_alive)
 
 
-def absorb(state: RefState, keys, values, config, weights=None) -> RefState:
-    """N tokens `[B, H, N, D]`; `weights` `[B, H, N, P]` by position for scoring="query"."""
+def absorb(state: RefState, keys, values, config, weights=None, argmin=None, n_alive=None) -> RefState:
+    """N tokens `[B, H, N, D]`; `weights` `[B, H, N, P]` by position for scoring="query";
+    row b's tokens from n_alive[b] on are padding."""
+    del argmin
     keys = np.asarray(keys, dtype=np.float64)
     values = np.asarray(values, dtype=np.float64)
     weights = None if weights is None else np.asarray(weights, dtype=np.float64)
     state = _copy(state)
     B, H, N, _ = keys.shape
     for b in range(B):
+        n = N if n_alive is None else int(np.asarray(n_alive)[b])
         for h in range(H):
             head = state.heads[b][h]
             if config.prefill == "greedy":
-                for i in range(N):
+                for i in range(n):
                     weight_of = None if weights is None else (lambda p, i=i: weights[b, h, i, p])
-                    head = _one_token(head, keys[b, h, i], values[b, h, i], state.seen + i,
+                    head = _one_token(head, keys[b, h, i], values[b, h, i], state.seen[b] + i,
                                       config, weight_of)
-            else:
-                head = _oneshot_head(head, keys[b, h], values[b, h], state.seen, config,
+            elif n:
+                head = _oneshot_head(head, keys[b, h, :n], values[b, h, :n], state.seen[b], config,
                                      None if weights is None else weights[b, h])
             state.heads[b][h] = head
-    state.seen += N
+        state.seen[b] += n
     return state
 
 
@@ -136,7 +196,7 @@ def _oneshot_head(head, keys, values, seen, config, weights):
     for i in range(N):
         if weights is None:  # query i sees S and the chunk before it
             seen_by_i = head + chunk[:i]
-            w = key_weights(seen_by_i, keys[i])
+            w = _softmax_weights(seen_by_i, keys[i])
         else:  # ... and itself
             seen_by_i = head + chunk[: i + 1]
             w = [clean(weights[i, t.position]) for t in seen_by_i]
@@ -151,6 +211,15 @@ def _oneshot_head(head, keys, values, seen, config, weights):
     return [t for t in everyone if id(t) not in gone]
 
 
+def rewind(state: RefState, n: int) -> RefState:
+    """Forget every row's n newest tokens (scores keep what they received from them)."""
+    state = _copy(state)
+    state.seen = [s - n for s in state.seen]
+    state.heads = [[[t for t in head if t.position < state.seen[b]] for head in row]
+                   for b, row in enumerate(state.heads)]
+    return state
+
+
 def kept_positions(state: RefState) -> List[List[List[int]]]:
     """Sorted kept positions per (b, h)."""
     return [[sorted(t.position for t in head) for head in row] for row in state.heads]
@@ -159,3 +228,8 @@ def kept_positions(state: RefState) -> List[List[List[int]]]:
 def scores_by_position(state: RefState) -> List[List[dict]]:
     """{position: score} per (b, h)."""
     return [[{t.position: t.score for t in head} for head in row] for row in state.heads]
+
+
+def rows_by_position(state: RefState, which: str = "value") -> List[List[dict]]:
+    """{position: key or value row} per (b, h): what the stored rows must hold."""
+    return [[{t.position: getattr(t, which) for t in head} for head in row] for row in state.heads]

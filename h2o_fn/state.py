@@ -5,20 +5,44 @@ unordered: a token keeps its slot until it is evicted, and the next token is
 written into the freed slot. Free slots have position -1 and score 0; their
 key and value rows hold stale data that nothing reads.
 
-Layout invariant: while `length < budget` the valid slots are exactly
-`[0, length)`; from the first eviction on, `length == budget` after every
-token, with one free slot somewhere.
+Rows are counted per batch row: `length[b]` tokens kept, `seen[b]` tokens
+absorbed (row b's next position). Rows of a batch may differ (prompts of
+different lengths, padding that never counts); all heads of a row agree.
+
+Layout invariant, per row b: while `length[b] < budget` the valid slots are
+exactly `[0, length[b])`; from the first eviction on, `length[b] == budget`
+after every token, with one free slot somewhere. So the first `length[b] + 1`
+slots always hold the kept tokens plus the slot the next token takes.
+
+Keys and values are stores (`h2o_fn.storage`): one array, or with `kv_bits`
+the (packed, scales, biases) triple of mx.quantize. Keys and values may have
+different widths (multi-head latent attention: Dk != Dv).
+
+Example:
+    >>> from h2o_fn import H2OConfig, init
+    >>> s = init(H2OConfig(budget=4, n_sink=1, grace=1), batch=2, n_heads=3, head_dim=8)
+    >>> s.keys.shape, s.scores.shape, s.length.tolist()
+    ((2, 3, 5, 8), (2, 3, 5), [0, 0])
 """
 
 from typing import NamedTuple
 
 import mlx.core as mx
 
+from . import storage
+from .storage import Store
+
 
 class H2OState(NamedTuple):
-    keys: mx.array  # [B, H, C, D] model dtype, as rotated by the model (absolute positions)
-    values: mx.array  # [B, H, C, D] model dtype
+    keys: Store  # [B, H, C, Dk] model dtype (rotated by the model), or its quantized triple
+    values: Store  # [B, H, C, Dv] model dtype, or its quantized triple
     scores: mx.array  # [B, H, C] float32, accumulated (decayed) attention mass; 0 for free slots
-    positions: mx.array  # [B, H, C] int32, absolute token position; -1 for free slots
-    length: mx.array  # [] int32, valid slots per (b, h) (the same for every row and head)
-    seen: mx.array  # [] int32, tokens absorbed so far = the next token's position
+    positions: mx.array  # [B, H, C] int32, absolute token position in its row; -1 for free slots
+    length: mx.array  # [B] int32, valid slots per (b, h) (the same for every head of a row)
+    seen: mx.array  # [B] int32, tokens absorbed per row = the row's next position
+
+
+def state_nbytes(state: H2OState) -> int:
+    """Bytes really held: key and value stores, scores, positions and the counters."""
+    return (storage.nbytes(state.keys) + storage.nbytes(state.values)
+            + sum(x.nbytes for x in (state.scores, state.positions, state.length, state.seen)))

@@ -9,7 +9,8 @@ pure path `h2o_fn.core.protected_argmin`, which is its spec.
 Kernel contract (one thread per (b, h) row, R = B * H rows of C slots):
   scores    `[R, C]` float32     (`scores_shape` = {R, C} is bound by MLX)
   positions `[R, C]` int32, -1 for a free slot
-  bounds    `[2]` int32: {n_sink, newest - grace}; candidates lie in [n_sink, newest - grace]
+  bounds    `[1 + R]` int32: {n_sink, then newest - grace per row}; row r's candidates
+            lie in [n_sink, bounds[1 + r]] (rows of a batch count their own positions)
   slot      `[R]` int32 out: the lowest (score, position) candidate's slot, or -1
 
 The body names the thread index `thread_position_in_grid.x` literally: MLX binds
@@ -38,7 +39,7 @@ BODY = """
         return;
     }
     const int lo = bounds[0];  // n_sink: positions below are sinks
-    const int hi = bounds[1];  // newest - grace: positions above are in the grace window
+    const int hi = bounds[1 + row];  // newest - grace: positions above are in the grace window
     int best = -1;
     float best_score = 0.0f;
     int best_pos = 0;
@@ -124,9 +125,12 @@ def _check(scores: mx.array, positions: mx.array, newest) -> None:
         raise ValueError(f"scores shape {tuple(scores.shape)} is invalid: expected [..., C] with C >= 1")
     if scores.size >= 2**31:
         raise ValueError(f"scores has {scores.size} entries: expected fewer than 2**31 (int32 indexing)")
-    if isinstance(newest, mx.array) and (newest.dtype != mx.int32 or newest.ndim != 0):
+    if isinstance(newest, mx.array) and (
+        newest.dtype != mx.int32 or newest.ndim > 1 or (newest.ndim == 1 and newest.shape[0] != scores.shape[0])
+    ):
         raise TypeError(
-            f"newest is {newest.dtype} of shape {tuple(newest.shape)}: expected a [] int32 array or an int"
+            f"newest is {newest.dtype} of shape {tuple(newest.shape)}: expected an int, or an int32 "
+            f"array of shape [] or [B={scores.shape[0] if scores.ndim else '?'}]"
         )
 
 
@@ -137,11 +141,13 @@ def launch(kernel, scores, positions, newest, n_sink: int, grace: int, *, verbos
     """
     _check(scores, positions, newest)
     newest = newest if isinstance(newest, mx.array) else mx.array(newest, dtype=mx.int32)
-    bounds = mx.concatenate([mx.array([n_sink], dtype=mx.int32), (newest - grace).reshape(1)])
     C = scores.shape[-1]
     rows = scores.size // C
     if rows == 0:  # no (b, h) rows: nothing to launch
         return mx.zeros(scores.shape[:-1], dtype=mx.int32)
+    per_row = newest.reshape(-1, *([1] * (scores.ndim - 2))) if newest.ndim == 1 else newest
+    limits = mx.broadcast_to(per_row - grace, scores.shape[:-1]).reshape(rows).astype(mx.int32)
+    bounds = mx.concatenate([mx.array([n_sink], dtype=mx.int32), limits])
     (slot,) = kernel(
         inputs=[scores.reshape(rows, C), positions.reshape(rows, C), bounds],
         grid=(rows, 1, 1),

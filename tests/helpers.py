@@ -3,7 +3,7 @@
 import numpy as np
 import mlx.core as mx
 
-from h2o_fn import H2OState
+from h2o_fn import H2OState, storage
 from h2o_fn import reference as ref
 
 
@@ -20,35 +20,84 @@ def scores(state: H2OState):
     return out
 
 
-def assert_matches(state: H2OState, rstate: ref.RefState, rtol=1e-5, atol=1e-7, where=""):
-    assert int(state.seen.item()) == rstate.seen, where
-    assert kept(state) == ref.kept_positions(rstate), where
+def rows(state: H2OState, which: str, config) -> list:
+    """{position: stored row (dequantized, float64)} per (b, h) for keys or values."""
+    store = storage.dense(getattr(state, which), config.kv_bits, config.kv_group_size)
+    data = np.array(store.astype(mx.float32), dtype=np.float64)
+    out = []
+    for b, prow in enumerate(state.positions.tolist()):
+        out.append([{p: data[b, h, j] for j, p in enumerate(ps) if p >= 0} for h, ps in enumerate(prow)])
+    return out
+
+
+def assert_matches(state: H2OState, rstate: ref.RefState, rtol=1e-5, atol=1e-7, where="", config=None):
+    """Same seen counts, kept positions and scores; with `config`, also the stored key and
+    value rows of every kept position (what attention will read)."""
+    assert state.seen.tolist() == rstate.seen, where
+    assert state.length.tolist() == rstate.length, where
+    assert kept(state) == ref.kept_positions(rstate), (
+        f"{where}\ncore kept {kept(state)} scores {scores(state)}\n"
+        f"spec kept {ref.kept_positions(rstate)} scores {ref.scores_by_position(rstate)}")
     got, want = scores(state), ref.scores_by_position(rstate)
     for grow, wrow in zip(got, want):
         for g, w in zip(grow, wrow):
             ps = sorted(w)
             np.testing.assert_allclose([g[p] for p in ps], [w[p] for p in ps], rtol=rtol, atol=atol,
                                        err_msg=where)
+    if config is None:
+        return
+    for which in ("key", "value"):
+        got, want = rows(state, which + "s", config), ref.rows_by_position(rstate, which)
+        for grow, wrow in zip(got, want):
+            for g, w in zip(grow, wrow):
+                for p in w:
+                    np.testing.assert_allclose(g[p], w[p], rtol=1e-6, atol=1e-6,
+                                               err_msg=f"{which} row of position {p} {where}")
+
+
+def same(a, b) -> bool:
+    """Two arrays or stores (quantized triples) equal bit for bit."""
+    pa, pb = storage.parts(a), storage.parts(b)
+    return len(pa) == len(pb) and all(mx.array_equal(x, y) for x, y in zip(pa, pb))
 
 
 def core_weights(state: H2OState, by_position: np.ndarray, capacity: int) -> mx.array:
     """Position-indexed weights `[B, H, N, P]` -> the core's `[B, H, N, C + N]` layout.
 
     Column j < C takes the weight of the token in slot j, column C + i that of
-    chunk token i (position seen + i).
+    chunk token i (position seen[b] + i).
     """
-    B, H, N, _ = by_position.shape
-    seen = int(state.seen.item())
+    B, H, N, P = by_position.shape
+    seen = state.seen.tolist()
     pos = np.array(state.positions)  # [B, H, C]
     out = np.zeros((B, H, N, capacity + N), dtype=np.float32)
     b, h = np.meshgrid(np.arange(B), np.arange(H), indexing="ij")
     for j in range(capacity):
         p = pos[:, :, j]
         out[:, :, :, j] = np.where(p[..., None] >= 0, by_position[b, h, :, np.maximum(p, 0)], 0)
-    out[..., capacity:] = by_position[..., seen : seen + N]
+    for bi in range(B):
+        take = by_position[bi, :, :, seen[bi] : seen[bi] + N]
+        out[bi, :, :, capacity : capacity + take.shape[-1]] = take
     return mx.array(out)
 
 
-def chunk_weights(stream, start: int, n: int) -> np.ndarray:
-    """The stream's position-indexed weights of tokens [start, start + n)."""
-    return stream.weights[:, :, start : start + n, :]
+def chunk_weights(stream, start, n: int) -> np.ndarray:
+    """The stream's position-indexed weights of chunk tokens [start, start + n) per row.
+
+    `start` is an int or per row (rows at different positions): row b's query i is
+    stream token start[b] + i; columns stay positions.
+    """
+    B = stream.weights.shape[0]
+    starts = np.broadcast_to(np.asarray(start), (B,))
+    out = np.zeros((*stream.weights.shape[:2], n, stream.weights.shape[-1]), np.float32)
+    for b, s in enumerate(starts):
+        take = stream.weights[b, :, s : s + n]
+        out[b, :, : take.shape[1]] = take
+    return out
+
+
+def dequantized(keys: np.ndarray, config, dtype=mx.float32) -> np.ndarray:
+    """What a state with `config.kv_bits` stores for these rows, read back as float64."""
+    stored = storage.quantize(mx.array(keys).astype(dtype), config.kv_bits, config.kv_group_size)
+    return np.array(storage.dense(stored, config.kv_bits, config.kv_group_size).astype(mx.float32),
+                    dtype=np.float64)

@@ -36,7 +36,7 @@ NAN, INF = float("nan"), float("inf")
 PARAM_TYPES = {
     "scores": "const device float*",
     "positions": "const device int32_t*",
-    "bounds": "const constant int32_t*",
+    "bounds": "const device int32_t*",
     "slot": "device int32_t*",
 }
 
@@ -46,7 +46,7 @@ FAST = settings(max_examples=200, derandomize=True, deadline=None)
 class Case(NamedTuple):
     scores: np.ndarray  # [B, H, C] float32
     positions: np.ndarray  # [B, H, C] int32, -1 free
-    newest: int
+    newest: object  # int, or a [B] list: each batch row's newest position
     n_sink: int
     grace: int
 
@@ -102,23 +102,47 @@ def build(body: str, directory: Path) -> ctypes.CDLL:
     return so
 
 
-def run_harness(so: ctypes.CDLL, case: Case):
-    """(slots `[B, H]` int32, guards intact) for `case` on the compiled body.
+def launch_rows(so: ctypes.CDLL, scores: np.ndarray, positions: np.ndarray, bounds: np.ndarray):
+    """(slots `[R]`, guards intact): the compiled body over `[R, C]` inputs and `[1 + R]` bounds.
 
     Inputs get THREADS padding rows (free slots) so rounded-up threads read in bounds.
     """
-    B, H, C = case.scores.shape
-    rows = B * H
-    scores = np.zeros((rows + THREADS, C), np.float32)
-    positions = np.full((rows + THREADS, C), -1, np.int32)
-    scores[:rows] = case.scores.reshape(rows, C)
-    positions[:rows] = case.positions.reshape(rows, C)
+    rows, C = scores.shape
+    s = np.zeros((rows + THREADS, C), np.float32)
+    p = np.full((rows + THREADS, C), -1, np.int32)
+    b = np.full(1 + rows + THREADS, bounds[0], np.int32)
+    s[:rows], p[:rows], b[: 1 + rows] = scores, positions, bounds
     shape = np.array([rows, C], np.int32)
-    bounds = np.array([case.n_sink, case.newest - case.grace], np.int32)
     out = np.full(rows + THREADS, GUARD, np.int32)
     ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
-    so.h2o_launch(ptr(scores), ptr(shape), ptr(positions), ptr(bounds), ptr(out), rows, THREADS)
-    return out[:rows].reshape(B, H), bool((out[rows:] == GUARD).all())
+    so.h2o_launch(ptr(s), ptr(shape), ptr(p), ptr(b), ptr(out), rows, THREADS)
+    return out[:rows], bool((out[rows:] == GUARD).all())
+
+
+def run_harness(so: ctypes.CDLL, case: Case):
+    """(slots `[B, H]` int32, guards intact) for `case` on the compiled body."""
+    B, H, C = case.scores.shape
+    limits = np.broadcast_to(np.reshape(case.newest, (-1, 1)) - case.grace, (B, H)).reshape(B * H)
+    bounds = np.concatenate([[case.n_sink], limits]).astype(np.int32)
+    out, guards = launch_rows(so, case.scores.reshape(B * H, C), case.positions.reshape(B * H, C), bounds)
+    return out.reshape(B, H), guards
+
+
+class HarnessKernel:
+    """The g++-compiled body behind the call signature of an mx.fast kernel, so the
+    dispatcher's own `launch` (reshapes, per-row bounds) runs on a CPU."""
+
+    def __init__(self, so: ctypes.CDLL):
+        self.so = so
+
+    def __call__(self, *, inputs, grid, threadgroup, output_shapes, output_dtypes, verbose, stream):
+        del threadgroup, verbose, stream
+        scores, positions, bounds = (np.array(x) for x in inputs)
+        assert grid == (scores.shape[0], 1, 1) and output_shapes == [(scores.shape[0],)]
+        assert output_dtypes == [mx.int32] and bounds.shape == (1 + scores.shape[0],)
+        out, guards = launch_rows(self.so, scores, positions, bounds)
+        assert guards
+        return [mx.array(out)]
 
 
 def run_pure(case: Case) -> np.ndarray:
@@ -127,6 +151,10 @@ def run_pure(case: Case) -> np.ndarray:
         mx.array(case.newest, dtype=mx.int32), case.n_sink, case.grace,
     )
     return np.array(got)
+
+
+def newest_per_row(c: Case) -> np.ndarray:
+    return np.broadcast_to(np.reshape(c.newest, (-1,)), (c.scores.shape[0],))
 
 
 def agrees(so: ctypes.CDLL, case: Case) -> bool:
@@ -166,7 +194,10 @@ def cases(draw, max_c=40):
     seen = draw(st.integers(0, 2 * C + 8))  # tokens absorbed; newest = seen - 1
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     positions = random_positions(rng, (B, H, C), seen, draw(st.sampled_from([0.0, 0.5, 1.0])))
-    return Case(scores, positions, seen - 1, draw(st.integers(0, 5)), draw(st.integers(0, 5)))
+    newest = seen - 1
+    if draw(st.booleans()):  # rows of a batch at their own positions (each row's newest <= seen - 1)
+        newest = [seen - 1 - draw(st.integers(0, min(seen, 6))) for _ in range(B)]
+    return Case(scores, positions, newest, draw(st.integers(0, 5)), draw(st.integers(0, 5)))
 
 
 def tie_cases(seed=0):
@@ -179,7 +210,8 @@ def tie_cases(seed=0):
             scores = rng.choice(TIE_POOL, size=shape).astype(np.float32)
             seen = C + 3
             positions = random_positions(rng, shape, seen, 1.0 if C > 2 else 0.5)
-            out.append(Case(scores, positions, seen - 1, n_sink, grace))
+            newest = seen - 1 if grace != 1 else [seen - 1, seen - 2 - C % 3]  # rows apart
+            out.append(Case(scores, positions, newest, n_sink, grace))
     return out
 
 
@@ -247,7 +279,8 @@ def test_tie_cases_are_tie_heavy():
             if slot < 0:
                 empty += 1
                 continue
-            cand = (p[row] >= c.n_sink) & (p[row] <= c.newest - c.grace)
+            newest = np.repeat(newest_per_row(c), c.scores.shape[1])[row]
+            cand = (p[row] >= c.n_sink) & (p[row] <= newest - c.grace)
             key = np.where(np.isnan(s[row]), -np.inf, s[row])
             ties += int(((key == key[slot]) & cand).sum() > 1)
             nan_wins += int(np.isnan(s[row, slot]))
@@ -261,6 +294,7 @@ MUTATIONS = [
     ("p < lo", "p <= lo"),  # one sink too many
     ("best < 0", "best > 0"),  # first candidate only taken if its score beats 0.0
     ("row >= rows", "row > rows"),  # rounded-up thread `rows` writes past the output
+    ("bounds[1 + row]", "bounds[1]"),  # every row judged by the first row's newest position
 ]
 
 
@@ -280,12 +314,11 @@ def _mx(c: Case):
     return mx.array(c.scores), mx.array(c.positions), mx.array(c.newest, dtype=mx.int32)
 
 
-def test_dispatcher_paths_match_core():
-    for c in tie_cases(seed=7):
-        want = run_pure(c)
-        for use_kernel in (None, False):
-            got = np.array(evict.protected_argmin(*_mx(c), c.n_sink, c.grace, use_kernel=use_kernel))
-            assert np.array_equal(got, want), f"use_kernel={use_kernel}; repro: {c.snippet()}"
+def test_launch_packs_per_row_bounds_for_the_body(kernel_so):
+    """`launch` (the GPU call path) with the compiled body as its kernel equals the pure path."""
+    for c in [*tie_cases(seed=7), large_case(1000, 5)]:
+        got = np.array(evict.launch(HarnessKernel(kernel_so), *_mx(c), c.n_sink, c.grace))
+        assert np.array_equal(got, run_pure(c)), f"repro: {c.snippet()}"
 
 
 @pytest.mark.skipif(evict.available_kernel() is None, reason="no Metal or CUDA back-end in this mlx build")

@@ -65,12 +65,13 @@ def test_generated_signature_binds_what_the_body_uses(capfd, tmp_path, shape):
     assert name.startswith("custom_kernel_h2o_protected_argmin"), name
     assert evict.METAL_HEADER in source and evict.BODY in source  # the one body, unchanged
 
-    space = "constant" if mx.zeros(shape).size < 8 else "device"  # mlx: < 8 elements -> constant
+    space = lambda n: "constant" if n < 8 else "device"  # noqa: E731  mlx: < 8 elements -> constant
+    rows = mx.zeros(shape).size // shape[-1]
     assert params == [
-        f"const {space} float* scores [[buffer(0)]]",
+        f"const {space(mx.zeros(shape).size)} float* scores [[buffer(0)]]",
         "const constant int* scores_shape [[buffer(1)]]",
-        f"const {space} int32_t* positions [[buffer(2)]]",
-        "const constant int32_t* bounds [[buffer(3)]]",
+        f"const {space(mx.zeros(shape).size)} int32_t* positions [[buffer(2)]]",
+        f"const {space(1 + rows)} int32_t* bounds [[buffer(3)]]",
         "device int32_t* slot [[buffer(4)]]",
         "uint3 thread_position_in_grid [[thread_position_in_grid]]",
     ]

@@ -1,0 +1,135 @@
+"""Row storage: the kept keys or values of a state, dense or quantized.
+
+A store is either one array `[B, H, C, D]` (the model's dtype) or, with
+`kv_bits`, the triple mlx's affine quantization gives (as mlx-lm's
+`QuantizedKVCache` holds it): packed words `[B, H, C, D * bits / 32]` uint32,
+scales and biases `[B, H, C, D / group]` in the model's dtype. Every function
+here treats both alike, so the core never branches on the storage kind.
+Writes touch O(D) words per (b, h); nothing here copies a whole store.
+
+Example:
+    >>> import mlx.core as mx
+    >>> from h2o_fn.storage import empty, quantize, dense, take
+    >>> store = empty((1, 2, 4), 64, mx.float16, bits=8, group_size=64)
+    >>> [x.shape for x in store]
+    [(1, 2, 4, 16), (1, 2, 4, 1), (1, 2, 4, 1)]
+    >>> rows = quantize(mx.ones((1, 2, 4, 64), mx.float16), 8, 64)
+    >>> dense(rows, 8, 64).shape
+    (1, 2, 4, 64)
+"""
+
+from typing import Optional, Tuple, Union
+
+import mlx.core as mx
+
+from .config import KV_GROUP_SIZES
+
+Store = Union[mx.array, Tuple[mx.array, mx.array, mx.array]]  # dense, or (packed, scales, biases)
+
+
+
+def is_quantized(store: Store) -> bool:
+    return isinstance(store, tuple)
+
+
+def parts(store: Store) -> Tuple[mx.array, ...]:
+    """The arrays of a store: one, or three when quantized."""
+    return store if is_quantized(store) else (store,)
+
+
+def _map(fn, store: Store) -> Store:
+    return tuple(fn(x) for x in store) if is_quantized(store) else fn(store)
+
+
+def check_dim(dim: int, group_size: int, what: str = "head_dim") -> None:
+    """mx.quantize groups the last axis: it must split into whole groups."""
+    if dim % group_size:
+        raise ValueError(
+            f"{what}={dim} is invalid for kv_group_size={group_size}: expected a multiple "
+            f"of the group size (pick kv_group_size from {[g for g in KV_GROUP_SIZES if dim % g == 0]})"
+        )
+
+
+def quantize(rows: mx.array, bits: Optional[int], group_size: int) -> Store:
+    """Rows `[..., D]` as stored: unchanged when `bits` is None, else mx.quantize's triple."""
+    if bits is None:
+        return rows
+    return tuple(mx.quantize(rows, group_size=group_size, bits=bits))
+
+
+def dense(store: Store, bits: Optional[int], group_size: int) -> mx.array:
+    """The rows' values `[..., D]` (dequantized when quantized)."""
+    if not is_quantized(store):
+        return store
+    return mx.dequantize(*store, group_size=group_size, bits=bits)
+
+
+def empty(shape: Tuple[int, int, int], dim: int, dtype, bits: Optional[int], group_size: int) -> Store:
+    """Zero rows for `shape` = (B, H, C) slots of width `dim`."""
+    if bits is not None:
+        check_dim(dim, group_size)
+    return quantize(mx.zeros((*shape, dim), dtype=dtype), bits, group_size)
+
+
+def width(store: Store, bits: Optional[int]) -> int:
+    """Row width D (a quantized store packs 32 / bits elements per word)."""
+    return store[0].shape[-1] * 32 // bits if is_quantized(store) else store.shape[-1]
+
+
+def dtype_of(store: Store):
+    """The model dtype the store holds (scales carry it when quantized)."""
+    return store[1].dtype if is_quantized(store) else store.dtype
+
+
+def write(store: Store, index: mx.array, rows: Store) -> Store:
+    """Rows `[B, H, 1, *]` written at slot `index` `[B, H, 1, 1]` (O(D) per (b, h))."""
+    if is_quantized(store):
+        return tuple(mx.put_along_axis(s, index, r.astype(s.dtype), axis=2) for s, r in zip(store, rows))
+    return mx.put_along_axis(store, index, rows.astype(store.dtype), axis=2)
+
+
+def put(store: Store, rows: Store, start: int) -> Store:
+    """Rows `[B, H, n, *]` written at slots [start, start + n)."""
+    at = mx.array([start])
+    if is_quantized(store):
+        return tuple(mx.slice_update(s, r.astype(s.dtype), at, axes=(2,)) for s, r in zip(store, rows))
+    return mx.slice_update(store, rows.astype(store.dtype), at, axes=(2,))
+
+
+def take(store: Store, order: mx.array) -> Store:
+    """Rows gathered along the slot axis by `order` `[B, H, M]`."""
+    return _map(lambda x: mx.take_along_axis(x, order[..., None], axis=2), store)
+
+
+def head(store: Store, n: int) -> Store:
+    """The first n slots."""
+    return _map(lambda x: x[:, :, :n], store)
+
+
+def rows_of(store: Store, start: int, stop: Optional[int] = None) -> Store:
+    """Slots [start, stop) (views, no copy)."""
+    return _map(lambda x: x[:, :, start:stop], store)
+
+
+def concat(a: Store, b: Store) -> Store:
+    """Two stores joined along the slot axis (b cast to a's dtypes)."""
+    if is_quantized(a):
+        return tuple(mx.concatenate([x, y.astype(x.dtype)], axis=2) for x, y in zip(a, b))
+    return mx.concatenate([a, b.astype(a.dtype)], axis=2)
+
+
+def select(store: Store, rows: mx.array) -> Store:
+    """Batch rows `rows` (indices into B)."""
+    return _map(lambda x: x[rows], store)
+
+
+def stack(stores) -> Store:
+    """Stores with B = 1 each, joined along the batch axis."""
+    first = stores[0]
+    if is_quantized(first):
+        return tuple(mx.concatenate([s[i] for s in stores], axis=0) for i in range(3))
+    return mx.concatenate(list(stores), axis=0)
+
+
+def nbytes(store: Store) -> int:
+    return sum(x.nbytes for x in parts(store))

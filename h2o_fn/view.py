@@ -1,0 +1,93 @@
+"""The attention view: the rows one forward pass attends to, its mask, and its weights
+mapped back to slots. The slot layout is the core's; an adapter only slices.
+
+For N new tokens of a state the view is `rows` slots, with the chunk's first token
+already written into the slot it will take (the first free one), then chunk tokens
+1..N-1:
+
+    column j < rows        slot j (for row b, slots j <= length[b] are real)
+    column rows + i - 1    chunk token i >= 1
+
+`rows = min(max_b length[b] + 1, C)`: every kept token of every row, plus the slot
+of the newest. Below budget the valid slots are the prefix `[0, length[b])` and the
+new token goes to slot length[b]; at budget one slot is free and the new token
+fills it, so all C slots are real. With equal rows the mask is plain causal with
+offset rows - 1 (mlx-lm's "causal"); rows of different lengths need `view_mask`.
+
+Example:
+    >>> import mlx.core as mx
+    >>> from h2o_fn import H2OConfig, init, absorb
+    >>> from h2o_fn.view import chunk_view, rows_for, view_mask
+    >>> cfg = H2OConfig(budget=4, n_sink=1, grace=1)
+    >>> kv = mx.random.normal((2, 1, 3, 8))
+    >>> s = absorb(init(cfg, 2, 1, 8), kv, kv, cfg, n_alive=mx.array([3, 1]))
+    >>> rows = rows_for([3, 1], cfg.capacity)
+    >>> k, v = chunk_view(s, kv[:, :, :2], kv[:, :, :2], cfg, rows)
+    >>> rows, k.shape
+    (4, (2, 1, 5, 8))
+    >>> view_mask(s.length, rows, 2)[:, 0].astype(mx.int32).tolist()
+    [[[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], [[1, 1, 0, 0, 0], [1, 1, 0, 0, 1]]]
+"""
+
+from typing import Sequence, Tuple
+
+import mlx.core as mx
+
+from . import storage
+from .config import H2OConfig
+from .core import admit, stored_rows
+from .state import H2OState
+
+
+def rows_for(lengths: Sequence[int], capacity: int) -> int:
+    """Slots a view holds for rows of these lengths: max length + 1, at most C."""
+    return min(max(lengths) + 1, capacity)
+
+
+def view(state: H2OState, rows: int) -> Tuple[storage.Store, storage.Store]:
+    """The first `rows` slots of keys and values (no copy): the decode view of a state
+    whose newest token is already admitted (after `step` or `admit`)."""
+    return storage.head(state.keys, rows), storage.head(state.values, rows)
+
+
+def chunk_view(state: H2OState, keys: mx.array, values: mx.array, config: H2OConfig,
+               rows: int) -> Tuple[storage.Store, storage.Store]:
+    """The view of chunk `[B, H, N, D]` over `state`: `[B, H, rows + N - 1, D]` (stores).
+
+    Chunk token 0 is written into the slot it will take; tokens 1..N-1 follow, as the
+    state would store them (quantized when `config.kv_bits`).
+    """
+    first = admit(state, keys[:, :, :1], values[:, :, :1], config)
+    k, v = view(first, rows)
+    if keys.shape[2] == 1:
+        return k, v
+    return (storage.concat(k, stored_rows(keys[:, :, 1:], state.keys, config)),
+            storage.concat(v, stored_rows(values[:, :, 1:], state.values, config)))
+
+
+def view_weights(state: H2OState, weights: mx.array, rows: int) -> mx.array:
+    """Weights `[B, H, N, rows + N - 1]` over a `chunk_view` of `state` -> the core's
+    `[B, H, N, C + N]` layout (slots of `state`, then chunk tokens), for `absorb`/`step`."""
+    B, H, N, _ = weights.shape
+    C = state.positions.shape[-1]
+    slots = mx.pad(weights[..., :rows], [(0, 0), (0, 0), (0, 0), (0, C - rows)])
+    first_free = mx.argmax(state.positions < 0, axis=-1)[..., None, None]  # chunk token 0 sat here
+    token0 = mx.take_along_axis(slots, mx.broadcast_to(first_free, (B, H, N, 1)), axis=-1)
+    return mx.concatenate([slots, token0, weights[..., rows:]], axis=-1)
+
+
+def decode_weights(weights: mx.array, admitted: H2OState) -> mx.array:
+    """Weights `[B, H, 1, rows]` over the decode view of `admitted` (its first rows
+    slots) -> `[B, H, C]` over its slots, for `settle`."""
+    C = admitted.positions.shape[-1]
+    return mx.pad(weights[:, :, 0], [(0, 0), (0, 0), (0, C - weights.shape[-1])])
+
+
+def view_mask(lengths: mx.array, rows: int, N: int) -> mx.array:
+    """`[B, 1, N, rows + N - 1]` bool, True = attend: query i of row b sees slots
+    j <= lengths[b] (kept, plus chunk token 0) and chunk tokens 1..i."""
+    j = mx.arange(rows + N - 1)
+    i = mx.arange(N)[:, None]
+    slot_ok = (j < rows)[None, None] & (j[None, None] <= lengths[:, None, None])  # [B, 1, L]
+    chunk_ok = (j >= rows) & (j - rows + 1 <= i)  # [N, L]
+    return (slot_ok | chunk_ok[None])[:, None]
