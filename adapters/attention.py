@@ -1,28 +1,54 @@
-"""True-query scoring: an attention hook that hands the model's own weights to the cache.
+"""The attention hook: explicit attention for caches that ask for their weights.
 
 mlx-lm's attention modules call `scaled_dot_product_attention` from
 `mlx_lm.models.base` (each model module imports that name). The hook replaces
-that name in the model's modules with a function that, for an `H2OKVCache`
-waiting for weights, computes attention explicitly (same output as
-`mx.fast.scaled_dot_product_attention` within float tolerance), averages the
-weights over the query heads sharing each KV head (GQA) and hands them to the
-cache. Every other cache falls through to the original function untouched.
+that name in the model's modules with a function that talks to caches by what
+they do, never by their class:
+
+- a cache whose `wants_weights` is True gets the attention computed explicitly
+  (same output as mlx-lm's fused or quantized path, within float tolerance) and its
+  weights, averaged over the query heads that share each KV head (GQA), handed to
+  `cache.receive_weights(weights)`;
+- a cache with an `attention_mask(N, mask)` method may replace the mask mlx-lm built
+  once per forward pass from layer 0 (layers whose kept rows differ from layer 0's);
+- every other cache falls through to the original function untouched.
+
+`query_scoring(model)` installs it for a `with` block and always removes it;
+`install_query_hook` / `remove_query_hook` are the explicit pair for long-lived
+servers. Hooks are per Python module, so they affect every model instance of that
+architecture in the process (and fall through for every cache that asks nothing).
 
 Example:
-    >>> from h2o_fn.adapters.attention import install_query_hook, remove_query_hook
-    >>> install_query_hook(model)   # make_h2o_cache does this for scoring="query"
-    >>> remove_query_hook(model)    # the model's modules are as before
+    >>> import mlx.core as mx
+    >>> from mlx_lm.models import llama
+    >>> from h2o_fn.adapters.attention import query_scoring, is_hooked
+    >>> args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=1,
+    ...     intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+    ...     rms_norm_eps=1e-5, vocab_size=50)
+    >>> model = llama.Model(args)
+    >>> with query_scoring(model):
+    ...     is_hooked(model)
+    True
+    >>> is_hooked(model)
+    False
 """
 
+import contextlib
 import sys
 from typing import Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .mlx_lm import H2OKVCache
-
 NAME = "scaled_dot_product_attention"
+REDUCE = {"mean": mx.mean, "max": mx.max}  # over the query heads sharing a KV head
+
+
+def dense_rows(rows, bits: Optional[int], group_size: int) -> mx.array:
+    """Keys or values as given to attention: an array, or mx.quantize's triple."""
+    if isinstance(rows, (tuple, list)):
+        return mx.dequantize(*rows, group_size=group_size, bits=bits)
+    return rows
 
 
 def attention_with_weights(
@@ -36,13 +62,14 @@ def attention_with_weights(
     """Attention output and its weights, computed explicitly in float32.
 
     Args:
-      queries: `[B, Hq, N, D]`; keys, values: `[B, H, L, D]` with Hq a multiple of H (GQA).
+      queries: `[B, Hq, N, D]`; keys `[B, H, L, D]`, values `[B, H, L, Dv]` with Hq a
+        multiple of H (GQA).
       mask: None, "causal" (query i sees keys up to L - N + i), a boolean array
         (True = attend) or an additive array, broadcastable to `[B, Hq, N, L]`.
       sinks: optional `[Hq]` logits of an attention sink that takes mass but has no value.
 
     Returns:
-      output `[B, Hq, N, D]` in the queries' dtype, weights `[B, Hq, N, L]` float32.
+      output `[B, Hq, N, Dv]` in the queries' dtype, weights `[B, Hq, N, L]` float32.
     """
     B, Hq, N, D = queries.shape
     H, L = keys.shape[1], keys.shape[2]
@@ -66,7 +93,7 @@ def attention_with_weights(
         weights = mx.softmax(mx.concatenate([sink, logits], axis=-1), axis=-1, precise=True)[..., 1:]
     else:
         weights = mx.softmax(logits, axis=-1, precise=True)
-    out = weights @ values.astype(mx.float32)[:, :, None]  # [B, H, rep, N, D]
+    out = weights @ values.astype(mx.float32)[:, :, None]  # [B, H, rep, N, Dv]
     return out.reshape(B, Hq, N, -1).astype(queries.dtype), weights.reshape(B, Hq, N, L)
 
 
@@ -77,22 +104,27 @@ def _by_kv_head(mask: mx.array, H: int, rep: int) -> mx.array:
     return mx.expand_dims(mask, -3) if mask.ndim >= 3 else mask
 
 
-REDUCE = {"mean": mx.mean, "max": mx.max}  # over the query heads sharing a KV head
+def per_kv_head(weights: mx.array, H: int, reduce: str = "mean") -> mx.array:
+    """`[B, Hq, N, L]` weights -> `[B, H, N, L]`: query heads q // (Hq / H) share KV head h."""
+    B, Hq, N, L = weights.shape
+    return REDUCE[reduce](weights.reshape(B, H, Hq // H, N, L), axis=2)
 
 
 def _hook(original, reduce: str):
-    combine = REDUCE[reduce]
-
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if isinstance(cache, H2OKVCache) and cache.wants_weights:
-            out, weights = attention_with_weights(queries, keys, values, scale, mask, sinks)
-            B, Hq, N, L = weights.shape
-            H = keys.shape[1]
-            cache.receive_weights(combine(weights.reshape(B, H, Hq // H, N, L), axis=2))
+        own_mask = getattr(cache, "attention_mask", None)
+        if own_mask is not None:
+            mask = own_mask(queries.shape[2], mask)
+        if getattr(cache, "wants_weights", False) and cache.can_take(keys):
+            bits, group = getattr(cache, "bits", None), getattr(cache, "group_size", 64)
+            k, v = dense_rows(keys, bits, group), dense_rows(values, bits, group)
+            out, weights = attention_with_weights(queries, k, v, scale, mask, sinks)
+            cache.receive_weights(per_kv_head(weights, cache.kv_heads, reduce))
             return out
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.h2o_original = original
+    scaled_dot_product_attention.h2o_reduce = reduce
     return scaled_dot_product_attention
 
 
@@ -106,20 +138,15 @@ def install_query_hook(model: nn.Module, reduce: str = "mean") -> int:
     """Hook the attention call of every module the model's layers come from. Idempotent.
 
     `reduce` combines the weights of the query heads that share a KV head (GQA):
-    "mean" (DESIGN.md) or "max" (an ablation in BENCHMARKS.md). A module already
+    "mean" (the default) or "max" (an ablation in BENCHMARKS.md). A module already
     hooked keeps its hook: remove it first to change `reduce`.
 
-    Returns the number of modules hooked. Raises if the model never calls
-    `mlx_lm.models.base.scaled_dot_product_attention` (true-query scoring cannot see it).
+    Returns the number of modules hooked: 0 when the model never calls
+    `mlx_lm.models.base.scaled_dot_product_attention` (nothing can see its weights).
     """
     if reduce not in REDUCE:
         raise ValueError(f"reduce={reduce!r} is invalid: expected one of {sorted(REDUCE)}")
     modules = model_modules(model)
-    if not modules:
-        raise ValueError(
-            f"{type(model).__name__} does not call mlx_lm.models.base.{NAME}: "
-            "scoring='query' cannot see its attention weights (use scoring='key')"
-        )
     for module in modules:
         fn = getattr(module, NAME)
         if not hasattr(fn, "h2o_original"):
@@ -139,3 +166,14 @@ def is_hooked(model: nn.Module) -> bool:
     return any(hasattr(getattr(m, NAME), "h2o_original") for m in model_modules(model))
 
 
+@contextlib.contextmanager
+def query_scoring(model: nn.Module, reduce: str = "mean"):
+    """`with query_scoring(model):` the hook is installed inside the block and removed
+    after it (also on error), unless it was already installed before the block."""
+    was_hooked = is_hooked(model)
+    install_query_hook(model, reduce)
+    try:
+        yield model
+    finally:
+        if not was_hooked:
+            remove_query_hook(model)

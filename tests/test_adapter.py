@@ -1,12 +1,16 @@
 """The mlx-lm adapter on tiny random-weight models of several architectures."""
 
+import copy
+import pickle
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.base import create_causal_mask, quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import (
     KVCache,
+    QuantizedKVCache,
     RotatingKVCache,
     can_trim_prompt_cache,
     load_prompt_cache,
@@ -15,9 +19,16 @@ from mlx_lm.models.cache import (
 )
 
 from h2o_fn import H2OConfig, absorb, assert_invariants, init, kept_positions, step
-from h2o_fn.adapters.attention import attention_with_weights, install_query_hook, is_hooked, remove_query_hook
-from h2o_fn.adapters.mlx_lm import H2OKVCache, make_h2o_cache
+from h2o_fn.adapters.attention import (
+    attention_with_weights,
+    install_query_hook,
+    is_hooked,
+    query_scoring,
+    remove_query_hook,
+)
+from h2o_fn.adapters.mlx_lm import DEFAULT_CONFIG, H2OKVCache, h2o_caches, make_h2o_cache
 
+from helpers import same
 from tiny_models import ARCHS, tiny_model
 
 CHUNKS = [9, 1, 1, 6, 1, 1, 12, 1, 1, 1]  # prefill chunks and decode steps mixed
@@ -33,40 +44,69 @@ def run(model, cache, chunks=CHUNKS, tokens=TOKENS):
     return mx.concatenate(out, axis=1)
 
 
-@pytest.fixture(autouse=True)
-def unhook():
-    yield
-    for arch in ARCHS:  # hooks patch module globals: leave every module as found
-        remove_query_hook(tiny_model(arch))
+@pytest.fixture
+def llama():
+    model = tiny_model("llama")
+    yield model
+    remove_query_hook(model)  # hooks patch module globals: leave the module as found
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("scoring, prefill", MODES)
 def test_logits_equal_the_full_cache_when_nothing_is_evicted(arch, scoring, prefill):
     model = tiny_model(arch)
-    full = run(
-        model, model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
-    )
-    cache = make_h2o_cache(model, H2OConfig(budget=64, n_sink=2, grace=4, scoring=scoring, prefill=prefill))
-    h2o = run(model, cache)
+    full = run(model, model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers])
+    with query_scoring(model):
+        cache = make_h2o_cache(model, H2OConfig(budget=64, n_sink=2, grace=4, scoring=scoring, prefill=prefill))
+        h2o = run(model, cache)
     if scoring == "key":
         assert mx.array_equal(h2o, full)
     else:  # explicit float32 attention instead of the fused kernel
         assert mx.allclose(h2o, full, atol=1e-4, rtol=1e-4)
-    managed = [c for c in cache if isinstance(c, H2OKVCache)]
+    managed = h2o_caches(cache)
     assert managed and all(c.tokens_kept == c.tokens_seen == sum(CHUNKS) for c in managed)
     if arch == "gemma3":
         assert [type(c) for c in cache] == [RotatingKVCache, RotatingKVCache, H2OKVCache]
 
 
+@pytest.fixture
+def llama32():
+    model = tiny_model("llama", hidden_size=128)  # head_dim 32: one quantization group
+    yield model
+    remove_query_hook(model)
+
+
+@pytest.mark.parametrize("scoring", ["key", "query"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_rows_give_mlx_lm_quantized_cache_logits(llama32, scoring, bits):
+    """kv_bits with budget >= tokens: the logits of mlx-lm's QuantizedKVCache(bits)."""
+    llama = llama32
+    quantized = run(llama, [QuantizedKVCache(group_size=32, bits=bits) for _ in llama.layers])
+    cfg = H2OConfig(budget=64, n_sink=2, grace=4, scoring=scoring, kv_bits=bits, kv_group_size=32)
+    cache = make_h2o_cache(llama, cfg)
+    h2o = run(llama, cache)
+    if scoring == "key":  # the same quantized rows, the same mlx-lm attention path
+        assert mx.array_equal(h2o, quantized)
+    else:  # explicit float32 attention over the dequantized rows
+        assert mx.allclose(h2o, quantized, atol=2e-3, rtol=2e-3)
+    assert cache[0].bits == bits and cache[0].group_size == 32
+    unquantized = make_h2o_cache(llama, cfg._replace(kv_bits=None))
+    run(llama, unquantized)
+    assert not hasattr(unquantized[0], "bits")  # mlx-lm routes by hasattr(cache, "bits")
+    ratio = cache[0].nbytes / unquantized[0].nbytes
+    assert ratio < (0.6 if bits == 8 else 0.4), ratio
+
+
 @pytest.mark.parametrize("scoring, prefill", MODES)
-def test_under_eviction_the_invariants_hold_in_every_layer(scoring, prefill):
-    model = tiny_model("llama")
-    cfg = H2OConfig(budget=12, n_sink=2, grace=3, scoring=scoring, prefill=prefill)
-    cache = make_h2o_cache(model, cfg)
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_under_eviction_the_invariants_hold_in_every_layer(llama32, scoring, prefill, kv_bits):
+    llama = llama32
+    cfg = H2OConfig(budget=12, n_sink=2, grace=3, scoring=scoring, prefill=prefill, kv_bits=kv_bits,
+                    kv_group_size=32)
+    cache = make_h2o_cache(llama, cfg)
     i = 0
     for n in CHUNKS:
-        logits = model(TOKENS[:, i : i + n], cache=cache)
+        logits = llama(TOKENS[:, i : i + n], cache=cache)
         i += n
         assert mx.all(mx.isfinite(logits)).item()
         for c in cache:
@@ -77,15 +117,14 @@ def test_under_eviction_the_invariants_hold_in_every_layer(scoring, prefill):
 
 
 @pytest.mark.parametrize("prefill", ["greedy", "oneshot"])
-def test_layer0_kept_positions_equal_the_core_on_the_same_keys(prefill):
+def test_layer0_kept_positions_equal_the_core_on_the_same_keys(llama, prefill):
     """The adapter holds no algorithm: replaying layer 0's keys through the core agrees."""
-    model = tiny_model("llama")
     cfg = H2OConfig(budget=10, n_sink=1, grace=2, prefill=prefill)
-    cache = make_h2o_cache(model, cfg)
+    cache = make_h2o_cache(llama, cfg)
     seen = []
     original = cache[0].update_and_fetch
     cache[0].update_and_fetch = lambda k, v: (seen.append((k, v)), original(k, v))[1]
-    run(model, cache)
+    run(llama, cache)
     state = init(cfg, 1, 2, 16, dtype=seen[0][0].dtype)
     for k, v in seen:
         state = step(state, k, v, cfg) if k.shape[2] == 1 else absorb(state, k, v, cfg)
@@ -113,13 +152,13 @@ def test_decode_returns_the_kept_rows_plus_the_new_one(scoring):
             expected = [by_position[p][h] for p in (list(before[h]) if t else []) if p >= 0]
             expected = np.stack(expected + [k[0, h, 0]])
             got = np.array(keys[0, h])
-            order = lambda x: x[np.lexsort(x.T[::-1])]
+            order = lambda x: x[np.lexsort(x.T[::-1])]  # noqa: E731
             np.testing.assert_array_equal(order(got), order(expected))
     assert rows == [1, 2, 3, 4, 5, 5, 5, 5, 5]
 
 
 def test_make_mask():
-    cache = H2OKVCache(H2OConfig(budget=6, n_sink=1, grace=1))
+    cache = H2OKVCache(H2OConfig(budget=6, n_sink=1, grace=1, scoring="key"))
     assert cache.make_mask(1) is None and cache.make_mask(5) == "causal"
     cache.update_and_fetch(mx.zeros((1, 1, 9, 4)), mx.zeros((1, 1, 9, 4)))
     assert mx.array_equal(cache.make_mask(3, return_array=True), create_causal_mask(3, offset=6))
@@ -127,48 +166,105 @@ def test_make_mask():
         cache.make_mask(3, window_size=4)
 
 
-@pytest.mark.parametrize("scoring", ["key", "query"])
-def test_save_and_load_prompt_cache_round_trips(tmp_path, scoring):
+def test_defaults_agree():
+    """One source of defaults: a bare cache and make_h2o_cache(model) use DEFAULT_CONFIG."""
     model = tiny_model("llama")
-    cfg = H2OConfig(budget=10, n_sink=1, grace=2, scoring=scoring)
-    cache = make_h2o_cache(model, cfg)
-    run(model, cache, CHUNKS[:6])
+    try:
+        assert H2OKVCache().config == DEFAULT_CONFIG == make_h2o_cache(model)[0].config
+        assert DEFAULT_CONFIG == H2OConfig(scoring="query")  # everything else: the policy defaults
+    finally:
+        remove_query_hook(model)
+
+
+@pytest.mark.parametrize("scoring, kv_bits", [("key", None), ("query", None), ("query", 4)])
+def test_save_and_load_prompt_cache_round_trips(llama32, tmp_path, scoring, kv_bits):
+    llama = llama32
+    cfg = H2OConfig(budget=10, n_sink=1, grace=2, scoring=scoring, kv_bits=kv_bits, kv_group_size=32)
+    cache = make_h2o_cache(llama, cfg)
+    run(llama, cache, CHUNKS[:6])
     save_prompt_cache(str(tmp_path / "c.safetensors"), cache)
     loaded = load_prompt_cache(str(tmp_path / "c.safetensors"))
     assert [type(c) for c in loaded] == [H2OKVCache] * 2
     for a, b in zip(cache, loaded):
-        assert (a.config, a.offset, a.tokens_kept) == (b.config, b.offset, b.tokens_kept)
+        assert (a.config, a.offset, a.tokens_kept, a.nbytes) == (b.config, b.offset, b.tokens_kept, b.nbytes)
         for x, y in zip(a.core_state, b.core_state):
-            assert mx.array_equal(x, y)
+            assert same(x, y)
     rest, start = CHUNKS[6:], sum(CHUNKS[:6])
     more = TOKENS[:, start:]
-    assert mx.array_equal(run(model, cache, rest, more), run(model, loaded, rest, more))
+    assert mx.array_equal(run(llama, cache, rest, more), run(llama, loaded, rest, more))
 
 
-def test_trim_before_any_eviction():
-    model = tiny_model("llama")
-    cache = make_h2o_cache(model, H2OConfig(budget=64, n_sink=2, grace=4))
-    run(model, cache, [10])
+@pytest.mark.parametrize("scoring", ["key", "query"])
+def test_deepcopy_and_pickle_give_independent_equal_caches(llama, scoring):
+    cache = make_h2o_cache(llama, H2OConfig(budget=10, n_sink=1, grace=2, scoring=scoring))
+    run(llama, cache, CHUNKS[:6])
+    twin = copy.deepcopy(cache)
+    pickled = [pickle.loads(pickle.dumps(c)) for c in cache]
+    rest, more = CHUNKS[6:], TOKENS[:, sum(CHUNKS[:6]) :]
+    a = run(llama, cache, rest, more)
+    assert twin[0].tokens_seen == sum(CHUNKS[:6])  # the copy did not move with the original
+    assert mx.array_equal(a, run(llama, twin, rest, more))
+    assert mx.array_equal(a, run(llama, pickled, rest, more))
+
+
+def test_pending_weights_are_never_lost_silently(llama, tmp_path):
+    """Without the hook, query scoring cannot finish a step: save, trim and the next
+    token say so instead of dropping the tokens."""
+    cache = make_h2o_cache(llama, H2OConfig(budget=16, n_sink=1, grace=1, scoring="query"))
+    remove_query_hook(llama)
+    llama(TOKENS[:, :4], cache=cache)
+    with pytest.raises(RuntimeError, match="never arrived"):
+        save_prompt_cache(str(tmp_path / "c.safetensors"), cache)
+    with pytest.raises(RuntimeError, match="never arrived"):
+        trim_prompt_cache(cache, 2)
+    with pytest.raises(RuntimeError, match="hook is missing"):
+        llama(TOKENS[:, 4:5], cache=cache)
+
+
+def test_trim_before_any_eviction(llama):
+    cache = make_h2o_cache(llama, H2OConfig(budget=64, n_sink=2, grace=4))
+    run(llama, cache, [10])
     assert can_trim_prompt_cache(cache) and trim_prompt_cache(cache, 3) == 3
     assert all(c.offset == c.tokens_kept == 7 for c in cache)
     assert_invariants(cache[0].core_state, cache[0].config)
-    full = [KVCache() for _ in model.layers]
-    run(model, full, [7])
-    a = model(TOKENS[:, 7:8], cache=cache)
-    b = model(TOKENS[:, 7:8], cache=full)
-    assert mx.allclose(a, b, atol=1e-5)  # scores differ (they keep the trimmed mass), rows do not
+    full = [KVCache() for _ in llama.layers]
+    run(llama, full, [7])
+    a = llama(TOKENS[:, 7:8], cache=cache)
+    b = llama(TOKENS[:, 7:8], cache=full)
+    assert mx.allclose(a, b, atol=1e-4)  # scores differ (they keep the trimmed mass), rows do not
 
 
 def test_generate_step_with_budget_above_length_matches_the_full_cache():
     model = tiny_model("qwen3")
-    prompt = TOKENS[0, :20]
-    full = [t for t, _ in zip(generate_step(prompt, model, max_tokens=15), range(15))]
-    cache = make_h2o_cache(model, H2OConfig(budget=64, n_sink=2, grace=4))
-    h2o = [t for t, _ in zip(generate_step(prompt, model, max_tokens=15, prompt_cache=cache), range(15))]
-    assert [t for t, _ in full] == [t for t, _ in h2o]
-    tight = make_h2o_cache(model, H2OConfig(budget=12, n_sink=2, grace=4, scoring="query"))
-    out = [t for t, _ in generate_step(prompt, model, max_tokens=15, prompt_cache=tight)]
-    assert len(out) == 15 and tight[0].tokens_kept == 12 and tight[0].tokens_seen == 20 + 15  # one step ahead
+    try:
+        prompt = TOKENS[0, :20]
+        full = [t for t, _ in zip(generate_step(prompt, model, max_tokens=15), range(15))]
+        cache = make_h2o_cache(model, H2OConfig(budget=64, n_sink=2, grace=4))
+        h2o = [t for t, _ in zip(generate_step(prompt, model, max_tokens=15, prompt_cache=cache), range(15))]
+        assert [t for t, _ in full] == [t for t, _ in h2o]
+        tight = make_h2o_cache(model, H2OConfig(budget=12, n_sink=2, grace=4, scoring="query"))
+        out = [t for t, _ in generate_step(prompt, model, max_tokens=15, prompt_cache=tight)]
+        assert len(out) == 15 and tight[0].tokens_kept == 12 and tight[0].tokens_seen == 20 + 15
+    finally:
+        remove_query_hook(model)
+
+
+def test_per_layer_budgets(llama):
+    """Each layer keeps its own budget; the mask mlx-lm builds from layer 0 is replaced
+    for the other layer (the hook), and every layer's invariants hold."""
+    cache = make_h2o_cache(llama, H2OConfig(budget=12, n_sink=2, grace=3, scoring="key"), budgets=[16, 8])
+    assert [c.config.budget for c in cache] == [16, 8] and is_hooked(llama)
+    i = 0
+    for n in CHUNKS:
+        assert mx.all(mx.isfinite(llama(TOKENS[:, i : i + n], cache=cache))).item()
+        i += n
+        for c in cache:
+            assert c.tokens_kept == min(i, c.config.budget)
+            assert_invariants(c.core_state, c.config)
+    with pytest.raises(ValueError, match="one per H2O layer"):
+        make_h2o_cache(llama, H2OConfig(budget=12, n_sink=2, grace=3), budgets=[16])
+    with pytest.raises(ValueError, match=r"H2O layer 1: budget 5 .* n_sink \+ grace = 2 \+ 3"):
+        make_h2o_cache(llama, H2OConfig(budget=12, n_sink=2, grace=3), budgets=[16, 5])
 
 
 # ---------------------------------------------------------------- the hook
@@ -205,6 +301,16 @@ def test_explicit_attention_equals_fused_sdpa(mask_name):
     assert mx.allclose(w.sum(-1), mx.ones(w.shape[:-1]), atol=1e-5)
 
 
+def test_explicit_attention_on_dequantized_rows_equals_mlx_lm_quantized_sdpa():
+    q, k, v, _ = sdpa_cases()
+    q, k, v = (mx.concatenate([x, x[..., ::-1]], axis=-1) for x in (q, k, v))  # head_dim 32
+    qk, qv = mx.quantize(k, group_size=32, bits=8), mx.quantize(v, group_size=32, bits=8)
+    dk, dv = (mx.dequantize(*x, group_size=32, bits=8) for x in (qk, qv))
+    out, _ = attention_with_weights(q, dk, dv, 0.25, "causal")
+    ref = quantized_scaled_dot_product_attention(q, qk, qv, 0.25, "causal", group_size=32, bits=8)
+    assert mx.allclose(out, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_explicit_attention_with_sinks_equals_fused_sdpa():
     q, k, v, _ = sdpa_cases()
     sinks = mx.array(np.linspace(-1, 1, 6).astype(np.float32))
@@ -214,45 +320,36 @@ def test_explicit_attention_with_sinks_equals_fused_sdpa():
     assert mx.all(w.sum(-1) < 1).item()
 
 
-def test_hook_is_reversible_and_falls_through_for_other_caches():
-    model = tiny_model("llama")
-    make_h2o_cache(model, H2OConfig(budget=64, scoring="query"))
-    assert is_hooked(model)
-    full = [KVCache() for _ in model.layers]
-    hooked = run(model, full)
-    remove_query_hook(model)
-    assert not is_hooked(model)
-    assert mx.array_equal(hooked, run(model, [KVCache() for _ in model.layers]))
+def test_hook_is_scoped_reversible_and_falls_through_for_other_caches(llama):
+    with query_scoring(llama):
+        assert is_hooked(llama)
+        hooked = run(llama, [KVCache() for _ in llama.layers])
+    assert not is_hooked(llama)
+    assert mx.array_equal(hooked, run(llama, [KVCache() for _ in llama.layers]))
+    with pytest.raises(ZeroDivisionError):
+        with query_scoring(llama):
+            1 / 0
+    assert not is_hooked(llama)  # removed on error too
 
 
-def test_max_reduction_hook_and_bad_reduce():
-    model = tiny_model("llama")
-    install_query_hook(model, "max")
-    cache = make_h2o_cache(model, H2OConfig(budget=8, n_sink=1, grace=2, scoring="query"))
-    run(model, cache)
+def test_max_reduction_hook_and_bad_reduce(llama):
+    install_query_hook(llama, "max")
+    cache = make_h2o_cache(llama, H2OConfig(budget=8, n_sink=1, grace=2, scoring="query"))
+    run(llama, cache)
     assert_invariants(cache[0].core_state, cache[0].config)
-    remove_query_hook(model)
+    remove_query_hook(llama)
     with pytest.raises(ValueError, match="reduce='sum'"):
-        install_query_hook(model, "sum")
+        install_query_hook(llama, "sum")
 
 
 # ---------------------------------------------------------------- bad input
 
 
-def test_query_cache_without_the_hook_raises_at_the_next_token():
-    model = tiny_model("llama")
-    cache = make_h2o_cache(model, H2OConfig(budget=16, n_sink=1, grace=1, scoring="query"))
-    remove_query_hook(model)
-    model(TOKENS[:, :4], cache=cache)
-    with pytest.raises(RuntimeError, match="hook is missing"):
-        model(TOKENS[:, 4:5], cache=cache)
-
-
 def test_inputs_that_change_between_calls_raise():
-    cache = H2OKVCache(H2OConfig(budget=8, n_sink=1, grace=1))
+    cache = H2OKVCache(H2OConfig(budget=8, n_sink=1, grace=1, scoring="key"))
     cache.update_and_fetch(mx.zeros((1, 2, 3, 4), mx.float16), mx.zeros((1, 2, 3, 4), mx.float16))
     for shape, dtype, match in [
-        ((1, 2, 1, 8), mx.float16, "D=4"),
+        ((1, 2, 1, 8), mx.float16, "Dk=4"),
         ((1, 3, 1, 4), mx.float16, "H=2"),
         ((2, 2, 1, 4), mx.float16, "B=1"),
         ((1, 2, 1, 4), mx.float32, "dtype"),
@@ -262,17 +359,16 @@ def test_inputs_that_change_between_calls_raise():
     with pytest.raises(ValueError, match="empty chunk"):
         cache.update_and_fetch(mx.zeros((1, 2, 0, 4), mx.float16), mx.zeros((1, 2, 0, 4), mx.float16))
     with pytest.raises(ValueError, match="disagree"):
-        cache.update_and_fetch(mx.zeros((1, 2, 1, 4), mx.float16), mx.zeros((1, 2, 1, 6), mx.float16))
+        cache.update_and_fetch(mx.zeros((1, 2, 1, 4), mx.float16), mx.zeros((1, 2, 2, 4), mx.float16))
     assert cache.offset == 3 and cache.tokens_kept == 3  # nothing was half-written
 
 
-def test_batch_generator_is_refused_with_a_clear_error():
-    from mlx_lm.generate import _merge_caches
-
-    model = tiny_model("llama")
-    caches = [make_h2o_cache(model, H2OConfig(budget=32)) for _ in range(2)]
-    with pytest.raises(ValueError, match="batch generator"):
-        _merge_caches(caches)
+def test_keys_and_values_of_different_widths():
+    """Multi-head latent attention caches keys and values of different head_dim."""
+    cache = H2OKVCache(H2OConfig(budget=4, n_sink=1, grace=1, scoring="key"))
+    for n in (3, 1, 1, 1):
+        k, v = cache.update_and_fetch(mx.ones((1, 1, n, 24)), mx.ones((1, 1, n, 16)))
+    assert k.shape == (1, 1, 5, 24) and v.shape == (1, 1, 5, 16) and cache.tokens_kept == 4
 
 
 def test_make_h2o_cache_needs_a_full_attention_layer():

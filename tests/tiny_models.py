@@ -21,10 +21,11 @@ ARCHS = {
 }
 
 
-def tiny_model(arch: str, seed: int = 0, dtype=mx.float32):
+def tiny_model(arch: str, seed: int = 0, dtype=mx.float32, **overrides):
+    """`arch` with random weights; `overrides` change ModelArgs fields (e.g. hidden_size)."""
     module, extra = ARCHS[arch]
     lib = importlib.import_module(f"mlx_lm.models.{module}")
-    args = lib.ModelArgs.from_dict({**COMMON, **extra})
+    args = lib.ModelArgs.from_dict({**COMMON, **extra, **overrides})
     mx.random.seed(seed)
     model = lib.Model(args)
     model.set_dtype(dtype)
