@@ -85,6 +85,8 @@ def write(store: Store, index: mx.array, rows: Store) -> Store:
     """Rows `[B, H, 1, *]` written at slot `index` `[B, H, 1, 1]` (O(D) per (b, h))."""
     if is_quantized(store):
         return tuple(mx.put_along_axis(s, index, r.astype(s.dtype), axis=2) for s, r in zip(store, rows))
+    if store.shape[-1] == 0:  # rows of width 0 (a key-only cache's values): nothing to write
+        return store
     return mx.put_along_axis(store, index, rows.astype(store.dtype), axis=2)
 
 
@@ -98,7 +100,13 @@ def put(store: Store, rows: Store, start: int) -> Store:
 
 def take(store: Store, order: mx.array) -> Store:
     """Rows gathered along the slot axis by `order` `[B, H, M]`."""
-    return _map(lambda x: mx.take_along_axis(x, order[..., None], axis=2), store)
+
+    def gather(x):
+        if x.shape[-1] == 0:  # rows of width 0
+            return mx.zeros((*order.shape, 0), dtype=x.dtype)
+        return mx.take_along_axis(x, order[..., None], axis=2)
+
+    return _map(gather, store)
 
 
 def head(store: Store, n: int) -> Store:

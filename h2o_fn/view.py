@@ -83,6 +83,16 @@ def decode_weights(weights: mx.array, admitted: H2OState) -> mx.array:
     return mx.pad(weights[:, :, 0], [(0, 0), (0, 0), (0, C - weights.shape[-1])])
 
 
+def relayout(store: storage.Store, positions_from: mx.array, positions_to: mx.array) -> storage.Store:
+    """Rows of `store` (slot i holds position positions_from[..., i], `[B, H, M]`) moved to
+    the layout `positions_to` `[B, H, C]`: slot j gets the row of position
+    positions_to[..., j] (stale data where it is -1 or absent). For caches that keep
+    another cache's positions in lockstep (mlx-lm's `CacheList` members)."""
+    match = positions_from[..., None, :] == positions_to[..., :, None]  # [B, H, C, M]
+    found = match & (positions_to >= 0)[..., None]
+    return storage.take(store, mx.argmax(found, axis=-1))
+
+
 def view_mask(lengths: mx.array, rows: int, N: int) -> mx.array:
     """`[B, 1, N, rows + N - 1]` bool, True = attend: query i of row b sees slots
     j <= lengths[b] (kept, plus chunk token 0) and chunk tokens 1..i."""
