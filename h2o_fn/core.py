@@ -322,6 +322,11 @@ def absorb(
         s <- decay^n s + sum_i decay^(n-1-i) w_i (n = the row's real tokens), then the
         lowest (score, position) unprotected tokens are evicted down to budget.
         Survivors are stored sorted by position. Fixed shapes, no sync: compiles.
+        A chunk of more than `config.window` tokens (a prompt; every chunk when window is
+        0) is compressed as SnapKV does: with window > 0 it sums only its last `window`
+        queries' weights (the question), and with pool > 1 the eviction ranking (not the
+        stored score) takes the best score within +-pool//2 positions (`pooled`: spans
+        survive together). Greedy prefill ignores both: it has no chunk-level decision.
 
     Example:
         >>> import mlx.core as mx
@@ -480,12 +485,44 @@ def evict_lowest(scores: mx.array, positions: mx.array, k: mx.array, newest: mx.
     return candidate & (rank < _per_row(k, positions.ndim))
 
 
+def pooled(scores: mx.array, positions: mx.array, pool: int) -> mx.array:
+    """Each held token's score raised to the highest score within +-pool//2 positions
+    (SnapKV's pooling: a span survives together). `[B, H, M]` in and out; free slots as given.
+
+    Example:
+        >>> import mlx.core as mx
+        >>> s = mx.array([[[0.1, 0.9, 0.2, 0.0]]])
+        >>> p = mx.array([[[3, 4, 6, -1]]], dtype=mx.int32)
+        >>> [round(x, 3) for x in pooled(s, p, 3)[0, 0].tolist()]  # 6 is 2 away from 4
+        [0.9, 0.9, 0.2, 0.0]
+    """
+    r = pool // 2
+    order = mx.argsort(mx.where(positions >= 0, positions, INT32_MAX), axis=-1)
+    s = mx.take_along_axis(scores, order, axis=-1)
+    p = mx.take_along_axis(positions, order, axis=-1)
+    s = mx.where(p >= 0, s, -mx.inf)
+    M = s.shape[-1]
+    best = s
+    for d in range(1, r + 1):
+        for shift in (d, -d):  # neighbours d slots away in position order
+            pad = [(0, 0)] * (s.ndim - 1) + ([(shift, 0)] if shift > 0 else [(0, -shift)])
+            lo, hi = (0, M) if shift > 0 else (-shift, M - shift)
+            near_s = mx.pad(s, pad, constant_values=-mx.inf)[..., lo:hi]
+            near_p = mx.pad(p, pad, constant_values=-INT32_MAX)[..., lo:hi]
+            best = mx.maximum(best, mx.where(mx.abs(near_p - p) <= r, near_s, -mx.inf))
+    back = mx.take_along_axis(best, mx.argsort(order, axis=-1), axis=-1)
+    return mx.where(positions >= 0, back, scores)
+
+
 def _absorb_oneshot(state, keys, values, config, weights, n_alive) -> H2OState:
     B, H, N, _ = keys.shape
     C = config.capacity
     real = mx.full((B,), N, dtype=mx.int32) if n_alive is None else _as(n_alive, mx.int32)
     chunk_keys = stored_rows(keys, state.keys, config)
     w = _chunk_weights(state, keys, chunk_keys, config, weights, n_alive)
+    long_chunk = N > config.window  # a prompt: scored by its last queries, ranked by spans
+    if config.window and long_chunk:
+        w = mx.where(mx.arange(N)[:, None] >= (real - config.window)[:, None, None, None], w, 0.0)
     mass = _decayed_sum(w, config.decay, n_alive)  # [B, H, C + N]
     arange = mx.arange(N, dtype=mx.int32)
     chunk_positions = mx.where(arange < real[:, None], state.seen[:, None] + arange, -1)  # [B, N]
@@ -500,7 +537,8 @@ def _absorb_oneshot(state, keys, values, config, weights, n_alive) -> H2OState:
     scores = mx.where(positions >= 0, old + mass, 0.0)
     total = state.length + real
     newest = state.seen + real - 1
-    gone = evict_lowest(scores, positions, total - config.budget, newest, config.n_sink, config.grace)
+    rank = pooled(scores, positions, config.pool) if config.pool > 1 and long_chunk else scores
+    gone = evict_lowest(rank, positions, total - config.budget, newest, config.n_sink, config.grace)
     keep = (positions >= 0) & ~gone
     order = mx.argsort(mx.where(keep, positions, INT32_MAX), axis=-1)[..., :C]  # survivors first
     kept = mx.take_along_axis(keep, order, axis=-1)

@@ -193,7 +193,10 @@ def _oneshot_head(head, keys, values, seen, config, weights):
     everyone = head + chunk
     for t in head:
         t.score = config.decay**N * t.score
+    first = N - config.window if config.window and N > config.window else 0
     for i in range(N):
+        if i < first:  # a long chunk scores by its last `window` queries only
+            continue
         if weights is None:  # query i sees S and the chunk before it
             seen_by_i = head + chunk[:i]
             w = _softmax_weights(seen_by_i, keys[i])
@@ -206,7 +209,10 @@ def _oneshot_head(head, keys, values, seen, config, weights):
     k = len(everyone) - config.budget
     if k <= 0:
         return everyone
-    candidates = sorted((t for t in everyone if not _protected(t, newest, config)), key=_order)
+    r = config.pool // 2 if N > config.window else 0  # pooling ranks long chunks only
+    rank = {id(t): max(u.score for u in everyone if abs(u.position - t.position) <= r) for t in everyone}
+    candidates = sorted((t for t in everyone if not _protected(t, newest, config)),
+                        key=lambda t: (rank[id(t)], t.position))
     gone = {id(t) for t in candidates[:k]}
     return [t for t in everyone if id(t) not in gone]
 

@@ -43,6 +43,8 @@ def configs(draw, scoring=None, prefill=None, max_budget=64, quantized=True):
         prefill=prefill or draw(st.sampled_from(["greedy", "oneshot"])),
         kv_bits=kv_bits,
         kv_group_size=32,
+        window=draw(st.sampled_from([0, 0, 0, 1, 3, 8])),
+        pool=draw(st.sampled_from([1, 1, 3, 5])),
     )
 
 

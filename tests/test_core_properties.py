@@ -193,6 +193,11 @@ def test_a_4000_token_absorb_below_budget_completes():
         (dict(scoring="value"), "scoring"),
         (dict(prefill="lazy"), "prefill"),
         (dict(budget=8.0), "budget"),
+        (dict(kv_bits=7), "kv_bits"),
+        (dict(kv_group_size=16), "kv_group_size"),
+        (dict(window=-1), "window"),
+        (dict(pool=4), "pool"),
+        (dict(pool=0), "pool"),
     ],
 )
 def test_bad_configs_name_the_field(kwargs, field):
