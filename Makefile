@@ -21,15 +21,15 @@ demo: $(STAMP)  ## the pure core on a synthetic stream: Algorithm 1's freeze vs 
 test: $(STAMP)  ## the whole suite (hypothesis "ci" profile: 200 examples per property)
 	$(PY) -m pytest -q
 
-run: $(STAMP)  ## generate with the default model and an H2O cache, side by side with mlx-lm's caches
-	$(PY) -m h2o_fn generate --compare $(ARGS)
+run: $(STAMP)  ## the first run: generate with the bundled model, H2O evicting, beside mlx-lm's full and rotating caches
+	$(PY) -m h2o_fn generate --demo $(ARGS)
 
 openblas:  ## optional: Debian's OpenBLAS makes CPU matmuls ~10-30x faster for eval/bench
 	@ls /usr/lib/*/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1 || \
 	  apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 || \
 	  echo "openblas: not installed (needs apt-get as root); eval/bench fall back to mlx's reference BLAS"
 
-eval: $(STAMP) openblas  ## quality: streaming perplexity, agreement, retrieval (see BENCHMARKS.md)
+eval: $(STAMP) openblas  ## quality: perplexity, memory frontier, agreement, retrieval, oracle (see BENCHMARKS.md)
 	$(PY) -m h2o_fn eval $(ARGS)
 
 bench: $(STAMP) openblas  ## speed: per-layer update, decode vs context, prefill (see BENCHMARKS.md)

@@ -1,31 +1,43 @@
 """Command line: `python -m h2o_fn {demo,generate,eval,bench}` (also the `h2o-fn` script).
 
-Only `demo` lives in the core package; the other commands need mlx-lm and are
-loaded from `h2o_fn.adapters` when asked for.
+Every command is a module with `setup_arg_parser()` and `main(argv=None)`, loaded by
+name when asked for: only `demo` lives in the core package; the others need mlx-lm
+and live in `h2o_fn.adapters.cli`.
 """
 
-import argparse
 import importlib
 import sys
+
+COMMANDS = {
+    "generate": "h2o_fn.adapters.cli.generate",
+    "eval": "h2o_fn.adapters.cli.evaluate",
+    "bench": "h2o_fn.adapters.cli.bench",
+    "demo": "h2o_fn.demo",
+}
+
+SUMMARIES = {
+    "generate": "generate text with an H2O cache (--demo: side by side with mlx-lm's caches)",
+    "eval": "quality: streaming perplexity, agreement, retrieval, memory frontier, oracle mass",
+    "bench": "speed: per-layer update, decode vs context, prefill",
+    "demo": "the pure core on a synthetic stream: Algorithm 1's freeze vs grace + decay",
+}
+
+
+def usage() -> str:
+    lines = [f"usage: python -m h2o_fn {{{','.join(COMMANDS)}}} [options]  (-h for each)", ""]
+    lines += [f"  {name:9s} {SUMMARIES[name]}" for name in COMMANDS]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": "h2o_fn.demo", "generate": "h2o_fn.adapters.cli",
-                "eval": "h2o_fn.adapters.evaluate", "bench": "h2o_fn.adapters.bench"}
-    if not argv or argv[0] not in commands:
-        print(f"usage: python -m h2o_fn {{{','.join(commands)}}} [options]  (-h for each)")
-        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
-    command, rest = argv[0], argv[1:]
-    if command == "demo":
-        parser = argparse.ArgumentParser(prog="python -m h2o_fn demo",
-                                         description="Kept positions over time: freeze vs defaults.")
-        parser.add_argument("--budget", type=int, default=32)
-        parser.add_argument("--tokens", type=int, default=240)
-        args = parser.parse_args(rest)
-        importlib.import_module(commands[command]).main(args.budget, args.tokens)
-        return
-    importlib.import_module(commands[command]).main(rest)
+    if not argv or argv[0] not in COMMANDS:
+        helped = bool(argv) and argv[0] in ("-h", "--help")
+        print(usage(), file=sys.stdout if helped else sys.stderr)
+        if argv and not helped:
+            print(f"\nunknown command {argv[0]!r}", file=sys.stderr)
+        raise SystemExit(0 if helped else 2)
+    importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
 
 
 if __name__ == "__main__":

