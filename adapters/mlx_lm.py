@@ -32,7 +32,7 @@ from .cache import DEFAULT_CONFIG, BatchH2OKVCache, H2OKVCache
 from .lockstep import H2OCacheList, H2OFollower
 
 __all__ = ["DEFAULT_CONFIG", "BatchH2OKVCache", "H2OCacheList", "H2OFollower", "H2OKVCache",
-           "h2o_caches", "layer_configs", "make_h2o_cache", "use_h2o"]
+           "h2o_caches", "h2o_layer_count", "layer_configs", "make_h2o_cache", "use_h2o"]
 
 
 def _leaders(caches: Sequence[Any]) -> int:
@@ -75,6 +75,11 @@ def h2o_caches(caches: Sequence[Any]) -> List[H2OKVCache]:
         elif isinstance(c, mlx_cache.CacheList):
             out.extend(h2o_caches(c.caches))
     return out
+
+
+def h2o_layer_count(model: nn.Module) -> int:
+    """How many H2O layers `make_h2o_cache(model)` builds (the length `budgets=` needs)."""
+    return _leaders(_model_caches(model))
 
 
 def make_h2o_cache(

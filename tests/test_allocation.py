@@ -26,3 +26,30 @@ def test_bad_need_and_mix_are_named():
         from_need([1.0, 0.0], 100)
     with pytest.raises(ValueError, match="mix=1.5"):
         from_need([1.0, 2.0], 100, mix=1.5)
+
+
+def test_policies_on_a_model_give_one_budget_per_h2o_layer():
+    from h2o_fn import H2OConfig
+    from h2o_fn.adapters.allocation import budgets_for
+    from h2o_fn.adapters.attention import remove_query_hook
+    from h2o_fn.adapters.mlx_lm import make_h2o_cache
+
+    from tiny_models import tiny_model
+
+    class Tokenizer:
+        def encode(self, text):
+            return [ord(c) % 101 for c in text]
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    cfg = H2OConfig(budget=32, n_sink=2, grace=4, scoring="key")
+    try:
+        assert budgets_for(model, "uniform", cfg) is None
+        for policy in ("pyramid", "calibrated"):
+            budgets = budgets_for(model, policy, cfg, Tokenizer())
+            assert len(budgets) == 4 and sum(budgets) == 4 * 32 and min(budgets) >= 7
+            cache = make_h2o_cache(model, cfg, budgets=budgets)
+            assert [c.config.budget for c in cache] == budgets
+        with pytest.raises(ValueError, match="allocation 'flat'"):
+            budgets_for(model, "flat", cfg)
+    finally:
+        remove_query_hook(model)

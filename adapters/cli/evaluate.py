@@ -34,6 +34,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 from h2o_fn import H2OConfig, kept_positions
+from h2o_fn.allocation import POLICIES
 
 from ..attention import install_query_hook, query_scoring, remove_query_hook
 from ..metrics import (
@@ -49,7 +50,8 @@ from ..metrics import (
     repeated_4grams,
     streaming_ppl,
 )
-from ..mlx_lm import h2o_caches, make_h2o_cache
+from .. import allocation
+from ..mlx_lm import h2o_caches, h2o_layer_count, make_h2o_cache
 from . import common, plots
 
 PROMPTS = [
@@ -73,7 +75,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("what", nargs="*", default=list(SECTIONS),
                         help=f"sections to run, any of: {' '.join(SECTIONS)} (default: all)")
     common.add_run_flags(parser, "results/eval")
-    common.add_policy_flags(parser, ("n_sink", "grace", "decay", "kv_bits", "kv_group_size"))
+    common.add_policy_flags(parser, ("n_sink", "grace", "decay", "kv_bits", "kv_group_size", "window", "pool"))
+    parser.add_argument("--allocations", nargs="+", choices=POLICIES, default=list(POLICIES),
+                        help="per-layer budget policies compared in ppl (true-query H2O; default: all)")
     parser.add_argument("--tokens", type=int, default=2048, help="perplexity text length (default 2048)")
     parser.add_argument("--text-file", default=None, help="perplexity text (default: CPython's pydoc topics)")
     parser.add_argument("--chunk", type=int, default=16, help="tokens per forward pass in ppl (default 16)")
@@ -118,6 +122,11 @@ class Run:
     def policy(self, budget: int, **changes) -> H2OConfig:
         return common.policy_or_error(self.parser, self.args, budget, **changes)
 
+    def budgets(self, policy: str, config: H2OConfig) -> List[int]:
+        """The per-layer budgets of an allocation policy at this config (spelled out)."""
+        return allocation.describe(allocation.budgets_for(self.model, policy, config, self.tokenizer),
+                                   config, h2o_layer_count(self.model))
+
 
 # ---------------------------------------------------------------- caches
 
@@ -126,7 +135,8 @@ def _h2o_name(scoring: str, cfg: H2OConfig, extra: str = "") -> str:
     return f"H2O {scoring}{extra}" + (f" {cfg.kv_bits}-bit" if cfg.kv_bits else "")
 
 
-def cache_specs(run: Run, budgets: List[int], ablations: bool, prefills=("oneshot",)) -> List[dict]:
+def cache_specs(run: Run, budgets: List[int], ablations: bool, prefills=("oneshot",),
+                allocations=()) -> List[dict]:
     """Every cache to compare: name, family, budget, and the H2O config where there is one."""
     specs = [{"name": "full KVCache", "family": "full", "budget": None}]
     for b in budgets:
@@ -139,6 +149,10 @@ def cache_specs(run: Run, budgets: List[int], ablations: bool, prefills=("onesho
                 extra = f" {prefill}" if len(prefills) > 1 else ""
                 specs.append({"name": _h2o_name(scoring, cfg, extra), "family": f"h2o-{scoring}", "budget": b,
                               "config": cfg})
+        for policy in allocations:  # per-layer budgets at the same bytes (true query, oneshot)
+            cfg = run.policy(b, scoring="query", prefill="oneshot")
+            specs.append({"name": f"H2O query {policy}", "family": "allocation", "budget": b, "config": cfg,
+                          "allocation": policy, "budgets": run.budgets(policy, cfg)})
     if ablations:
         b = budgets[min(1, len(budgets) - 1)]
         for scoring in ("key", "query"):
@@ -160,7 +174,7 @@ def build_cache(model, spec: dict) -> list:
         return [RotatingKVCache(max_size=spec["budget"], keep=spec["keep"]) for _ in model.layers]
     if spec["family"] == "QuantizedKVCache":
         return [QuantizedKVCache(group_size=spec["group_size"], bits=spec["bits"]) for _ in model.layers]
-    return make_h2o_cache(model, spec["config"])
+    return make_h2o_cache(model, spec["config"], budgets=spec.get("budgets"))
 
 
 def describe(spec: dict) -> dict:
@@ -176,7 +190,8 @@ def describe(spec: dict) -> dict:
 def measure_ppl(run: Run) -> dict:
     """streaming perplexity of every cache at every budget, plus ablations"""
     args, rows = run.args, []
-    for spec in cache_specs(run, args.budgets, not args.no_ablations, tuple(args.prefills)):
+    allocations = [p for p in args.allocations if p != "uniform"]  # uniform: the plain H2O rows
+    for spec in cache_specs(run, args.budgets, not args.no_ablations, tuple(args.prefills), allocations):
         cache = build_cache(run.model, spec)
         r = {**describe(spec), **streaming_ppl(run.model, cache, run.tokens(), args.chunk)}
         rows.append(r)
@@ -479,6 +494,12 @@ def draw(results: dict, out: Path, what: List[str]) -> List[str]:
     if "plots" in what and "maps" in results.get("kept_map", {}):
         plots.plot_kept(results["kept_map"]["maps"], out / "kept_positions.png")
         written.append("kept_positions.png")
+    if "plots" in what and "ppl" in results:
+        layers = {f"{r['allocation']} (mean {r['budget']})": r["budgets"] for r in results["ppl"]["rows"]
+                  if r.get("allocation")}
+        if layers:
+            plots.plot_budgets(layers, out / "layer_budgets.png")
+            written.append("layer_budgets.png")
     if "frontier" in what and "frontier" in results:
         plots.plot_frontier(results["frontier"]["rows"], out / "frontier.png")
         written.append("frontier.png")

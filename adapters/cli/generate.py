@@ -28,6 +28,7 @@ from h2o_fn import kept_positions
 from ..attention import query_scoring
 from ..metrics import build_prompt, first_divergence, held_tokens, repeated_4grams
 from ..mlx_lm import DEFAULT_CONFIG, h2o_caches, make_h2o_cache
+from .. import allocation
 from . import common
 
 DEFAULT_PROMPT = "Explain photosynthesis in detail."
@@ -62,6 +63,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         f"sized to the run: the largest power of two at most (prompt + max tokens) / {DEMO_COMPRESSION})",
     )
     parser.set_defaults(budget=None)
+    common.add_allocation_flag(parser)
     parser.add_argument("--compare", action="store_true",
                         help="also run mlx-lm's full KVCache and RotatingKVCache(budget, keep=n_sink) "
                         "(and QuantizedKVCache with --kv-bits), then a side-by-side summary")
@@ -220,7 +222,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     bits = f", {config.kv_bits}-bit" if config.kv_bits else ""
     label = f"H2O {config.scoring} (budget {config.budget}{bits})"
     with query_scoring(model):  # the hook lives for this command only (make_h2o_cache uses it)
-        cache = make_h2o_cache(model, config)
+        budgets = allocation.budgets_for(model, args.allocation, config, tokenizer)
+        if budgets is not None:
+            print(f"per-layer budgets ({args.allocation}): {budgets}")
+        cache = make_h2o_cache(model, config, budgets=budgets)
         kept_map = None
         if args.kept_map is not None:
             n = len(h2o_caches(cache))

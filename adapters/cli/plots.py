@@ -3,7 +3,8 @@
 - `plot_kept`: kept positions of one layer/head over time (eval's plots section and
   `generate --kept-map`);
 - `plot_ppl`: perplexity against budget (eval ppl);
-- `plot_frontier`: perplexity against KV bytes, log x, with the Pareto frontier (eval frontier).
+- `plot_frontier`: perplexity against KV bytes, log x, with the Pareto frontier (eval frontier);
+- `plot_budgets`: the per-layer budgets of each allocation policy (eval ppl, with plots).
 """
 
 from pathlib import Path
@@ -101,6 +102,22 @@ def plot_frontier(rows: List[dict], path: Path) -> None:
     ax.set_xlabel("KV bytes, fraction of a float16 full cache (log)")
     ax.set_ylabel("streaming perplexity")
     ax.set_title("Perplexity vs KV memory (lower left is better)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_budgets(budgets: Dict[str, List[int]], path: Path) -> None:
+    """Per-layer budgets of each allocation policy (one line each)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for name, b in budgets.items():
+        ax.plot(range(len(b)), b, marker=".", label=name)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("budget (tokens kept per KV head)")
+    ax.set_yscale("log", base=2)
+    ax.set_title("Per-layer budgets at equal bytes")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
