@@ -171,7 +171,7 @@ def test_defaults_agree():
     model = tiny_model("llama")
     try:
         assert H2OKVCache().config == DEFAULT_CONFIG == make_h2o_cache(model)[0].config
-        assert DEFAULT_CONFIG == H2OConfig(scoring="query")  # everything else: the policy defaults
+        assert DEFAULT_CONFIG == H2OConfig(scoring="query", window=48, pool=15)  # the rest: the policy defaults
     finally:
         remove_query_hook(model)
 
