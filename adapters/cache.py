@@ -55,6 +55,7 @@ class Pending(NamedTuple):
     values: Optional[mx.array]  # [B, H, N, Dv]
     rows: int  # slots in the view (the weights cover rows + N - 1 columns)
     alive: Optional[mx.array]  # decode: [B] bool; chunk: [B] int32 real tokens; None: all
+    staged: bool = False  # decode: a staged token (evict_every > 1), weights kept for the chunk
 
 
 class Step(NamedTuple):
@@ -89,6 +90,9 @@ class H2OKVCache(_BaseCache):
         self._rows = 0  # slots in that view
         self._followed = False  # a lockstep follower reads what the last update started from:
         self._before: Optional[Step] = None  # (see h2o_fn.adapters.lockstep)
+        self._staged: List[tuple] = []  # evict_every > 1: decode (keys, values) not yet scored
+        self._staged_w: List[mx.array] = []  # ... their weights, [B, H, 1, C + k] (query scoring)
+        self._staged_from: Optional[mx.array] = None  # [B] seen when the first was staged
 
     # ------------------------------------------------------------ mlx-lm protocol
 
@@ -115,7 +119,9 @@ class H2OKVCache(_BaseCache):
         alive = None if real is None else mx.array(real, dtype=mx.int32)
         rows = view.rows_for(self._lengths, self.config.capacity)
         state, cfg = self._core, self.config
-        if N == 1:
+        if N == 1 and cfg.evict_every > 1 and alive is None:
+            out = self._stage(keys, values, rows)
+        elif N == 1:
             one = None if alive is None else alive.astype(mx.bool_)
             if cfg.scoring == "key":
                 self._core = core.compiled_step(cfg, self.argmin)(state, keys, values, None, one)
@@ -125,6 +131,9 @@ class H2OKVCache(_BaseCache):
                 self._pending = Pending(admitted, None, None, rows, one)
                 out = view.view(admitted, rows)
         else:
+            if self._staged:  # a chunk after staged decode tokens: score those first
+                self._flush()
+                state, rows = self._core, view.rows_for(self._lengths, cfg.capacity)
             out = view.chunk_view(state, keys, values, cfg, rows)
             if cfg.scoring == "key":
                 self._core = core.absorb(state, keys, values, cfg, argmin=self.argmin, n_alive=alive)
@@ -134,9 +143,44 @@ class H2OKVCache(_BaseCache):
         if self._followed:
             self._before = Step(state.positions, list(self._seen), counts, rows)
         self._seen = [s + n for s, n in zip(self._seen, counts)]
-        self._lengths = [min(k + n, cfg.budget) for k, n in zip(self._lengths, counts)]
+        self._lengths = [min(k + n, cfg.budget + len(self._staged)) for k, n in zip(self._lengths, counts)]
         self._view, self._rows = out, rows
         return out
+
+    def _stage(self, keys: mx.array, values: mx.array, rows: int):
+        """evict_every = k > 1: a decode token is admitted unscored (a row write, the view as
+        usual); once k are staged they are scored and evicted as one oneshot chunk (the
+        prefill rule), with their own attention weights for query scoring."""
+        if not self._staged:
+            self._staged_from = mx.array(self._seen, dtype=mx.int32)
+        admitted = core.admit(self._core, keys, values, self.config)
+        self._staged.append((keys, values))
+        if self.config.scoring == "key":
+            self._core = admitted
+            if len(self._staged) == self.config.evict_every:
+                self._flush()
+        else:
+            self._pending = Pending(admitted, None, None, rows, None, staged=True)
+        return view.view(admitted, rows)
+
+    def _unstaged(self):
+        """(the state before staging, the staged tokens' keys and values as a chunk)."""
+        base = core.rewind(self._core, len(self._staged))
+        return (base, mx.concatenate([k for k, _ in self._staged], axis=2),
+                mx.concatenate([v for _, v in self._staged], axis=2))
+
+    def _flush(self) -> None:
+        """Score and evict the staged decode tokens now (before a chunk, a save, a merge)."""
+        if not self._staged:
+            return
+        self._require_settled("flush")
+        base, chunk_k, chunk_v = self._unstaged()
+        weights = None
+        if self.config.scoring == "query":
+            weights = mx.concatenate(self._staged_w, axis=2)[..., : self.config.capacity + len(self._staged)]
+        self._core = core.absorb(base, chunk_k, chunk_v, self.config, weights, self.argmin)
+        self._lengths = [min(k, self.config.budget) for k in self._lengths]
+        self._staged, self._staged_w = [], []
 
     def keys_and_values(self):
         """The rows the last update returned: what a layer sharing this KV attends to."""
@@ -189,17 +233,23 @@ class H2OKVCache(_BaseCache):
         if p is None:
             raise RuntimeError(f"{type(self).__name__} got attention weights but has no tokens waiting")
         B, H = p.state.positions.shape[:2]
-        N = 1 if p.keys is None else p.keys.shape[2]
+        N = 1 if p.keys is None else p.keys.shape[2]  # new tokens in the view
         expected = (B, H, N, p.rows + N - 1)
         if tuple(weights.shape) != expected:
             raise ValueError(f"weights shape {tuple(weights.shape)} is invalid: expected {expected}")
         self._pending = None
-        if p.keys is None:
+        if p.staged:  # kept for the chunk that scores the staged tokens
+            self._core = p.state
+            self._staged_w.append(view.staged_weights(weights, p.state, self._staged_from,
+                                                      self.config.evict_every))
+            if len(self._staged) == self.config.evict_every:
+                self._flush()
+        elif p.keys is None:
             self._core = core.settle(p.state, view.decode_weights(weights, p.state), self.config,
                                      self.argmin, p.alive)
         else:
-            self._core = core.absorb(p.state, p.keys, p.values, self.config,
-                                     view.view_weights(p.state, weights, p.rows), self.argmin, p.alive)
+            w = view.view_weights(p.state, weights, p.rows)
+            self._core = core.absorb(p.state, p.keys, p.values, self.config, w, self.argmin, p.alive)
 
     def attention_mask(self, N: int, mask):
         """The mask this layer needs: mlx-lm builds one per forward pass from layer 0's
@@ -253,7 +303,7 @@ class H2OKVCache(_BaseCache):
 
     def is_trimmable(self) -> bool:
         """Trimming is exact only while nothing has been evicted."""
-        self._require_settled("trim")
+        self._settle_all("trim")
         return self._lengths == self._seen
 
     def trim(self, n: int) -> int:
@@ -279,7 +329,7 @@ class H2OKVCache(_BaseCache):
         Arrays first (a store is an array or mx.quantize's triple); mlx-lm 0.32 saves
         only `state`, so the config string travels as its last element.
         """
-        self._require_settled("save")
+        self._settle_all("save")
         arrays = (None,) * 6 if self._core is None else tuple(self._core)
         return (*arrays, self.meta_state)
 
@@ -307,7 +357,7 @@ class H2OKVCache(_BaseCache):
         if len(configs) != 1:
             raise ValueError(f"cannot merge H2O caches of different configs: {sorted(map(str, configs))}")
         for c in caches:
-            c._require_settled("merge")
+            c._settle_all("merge")
         batch = BatchH2OKVCache(caches[0].config, caches[0].argmin)
         held = [c for c in caches if c._core is not None]
         if held:
@@ -367,6 +417,11 @@ class H2OKVCache(_BaseCache):
             positions, seen, lengths = self._core.positions, list(self._seen), self._lengths
         counts = self._peek_real(N) or [N] * len(seen)
         return Step(positions, seen, counts, view.rows_for(lengths, self.config.capacity))
+
+    def _settle_all(self, what: str) -> None:
+        """No weights pending, and staged decode tokens scored (evict_every > 1)."""
+        self._require_settled(what)
+        self._flush()
 
     def _require_settled(self, what: str) -> None:
         if self._pending is not None:
@@ -459,49 +514,48 @@ class BatchH2OKVCache(H2OKVCache):
         self._to_come = None
 
     def filter(self, batch_indices):
-        """Keep only the rows `batch_indices` (in that order)."""
+        """Keep only the rows `batch_indices` (in that order); staged decode tokens stay staged."""
         self._require_settled("filter")
         idx = [int(i) for i in batch_indices]
         if self._core is not None:
-            rows = mx.array(idx)
-            c = self._core
-            self._core = H2OState(storage.select(c.keys, rows), storage.select(c.values, rows),
-                                  *(x[rows] for x in c[2:]))
-            self._seen = [self._seen[i] for i in idx]
-            self._lengths = [self._lengths[i] for i in idx]
+            self._take_rows(self, idx)
         else:
             self._rows_waiting = len(idx)
         self._view = None
+
+    def _take_rows(self, out: H2OKVCache, idx: List[int]) -> H2OKVCache:
+        """Rows `idx` of this batch (state, staged tokens and their weights) into `out`."""
+        rows = mx.array(idx)
+        c = self._core
+        out._core = H2OState(storage.select(c.keys, rows), storage.select(c.values, rows),
+                             *(x[rows] for x in c[2:]))
+        out._staged = [(k[rows], v[rows]) for k, v in self._staged]
+        out._staged_w = [w[rows] for w in self._staged_w]
+        out._staged_from = None if self._staged_from is None else self._staged_from[rows]
+        out._seen = [self._seen[i] for i in idx]
+        out._lengths = [self._lengths[i] for i in idx]
+        return out
 
     def extend(self, other: "BatchH2OKVCache"):
         """Append the rows of `other` (same config)."""
         if other.config != self.config:
             raise ValueError(f"cannot extend a batch of {self.config} with one of {other.config}")
-        self._require_settled("extend")
-        other._require_settled("extend")
+        self._settle_all("extend")
+        other._settle_all("extend")
         merged = H2OKVCache.merge([*self._rows_as_caches(), *other._rows_as_caches()])
         self._core, self._seen, self._lengths = merged._core, merged._seen, merged._lengths
         self._rows_waiting = merged._rows_waiting
         self._view = None
 
     def extract(self, idx: int) -> H2OKVCache:
-        """Row `idx` as a single-prompt cache."""
+        """Row `idx` as a single-prompt cache (its staged decode tokens stay staged)."""
         self._require_settled("extract")
         out = H2OKVCache(self.config, self.argmin)
-        if self._core is not None:
-            c, row = self._core, slice(idx, idx + 1)
-            out._core = H2OState(_batch_rows(c.keys, row), _batch_rows(c.values, row),
-                                 *(x[row] for x in c[2:]))
-            out._seen, out._lengths = [self._seen[idx]], [self._lengths[idx]]
-        return out
+        return out if self._core is None else self._take_rows(out, [idx])
 
     def _rows_as_caches(self) -> List[H2OKVCache]:
         n = len(self._seen) if self._core is not None else self._rows_waiting
         return [self.extract(i) for i in range(n)]
-
-def _batch_rows(store, row: slice):
-    return tuple(x[row] for x in store) if storage.is_quantized(store) else store[row]
-
 
 def _stack(states: List[H2OState]) -> H2OState:
     """States of one row each, as one batch (every field joined along B)."""

@@ -1,7 +1,8 @@
 """The pure H2O core: `init`, `step`, `absorb`, `evict` and their building blocks.
 
 Every function takes an `H2OState` and returns a new one; nothing is mutated.
-Shapes: B batch rows, H KV heads, C = budget + 1 slots, D head_dim, N chunk tokens.
+Shapes: B batch rows, H KV heads, C = config.capacity slots (budget + evict_every), D head_dim,
+N chunk tokens.
 
 Per token t (one (b, h) row; S = the kept set):
   1. weights w_j over S (key proxy: softmax_j(K_j . k_t / sqrt(D)) in float32,

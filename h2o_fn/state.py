@@ -1,6 +1,6 @@
 """H2OState: the cache of one attention layer as a NamedTuple of MLX arrays.
 
-C = capacity = budget + 1 slots per (batch row b, KV head h). Slots are
+C = capacity = budget + evict_every slots per (batch row b, KV head h). Slots are
 unordered: a token keeps its slot until it is evicted, and the next token is
 written into the freed slot. Free slots have position -1 and score 0; their
 key and value rows hold stale data that nothing reads.

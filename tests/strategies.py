@@ -15,6 +15,9 @@ Grid query weights (multiples of 1/4, exact ties) go with decay 1.0 only: under
 any other decay two different weight histories can land within 1e-10 of each
 other (0.25 d^3 + 0.75 vs 0.75 d + 0.25 differ by 0.25 (1 - d)^2 (d + 2)), a
 tie in float32 and not in float64.
+
+Key scale 3.0 goes with head_dim <= 16 only: wider keys at that scale saturate the
+softmax (logit gaps of 50), and a weight of 1e-15 on top of 1.0 is a float32 tie.
 """
 
 from typing import NamedTuple
@@ -45,6 +48,7 @@ def configs(draw, scoring=None, prefill=None, max_budget=64, quantized=True):
         kv_group_size=32,
         window=draw(st.sampled_from([0, 0, 0, 1, 3, 8])),
         pool=draw(st.sampled_from([1, 1, 3, 5])),
+        evict_every=draw(st.sampled_from([1, 1, 1, 3])),
     )
 
 
@@ -103,7 +107,7 @@ def streams(draw, shape, min_len=1, max_len=96, decay=1.0):
         T,
         draw(st.integers(0, 2**31 - 1)),
         draw(st.sampled_from(styles)),
-        draw(st.sampled_from([0.3, 1.0, 3.0])),
+        draw(st.sampled_from([0.3, 1.0, 3.0] if shape.D <= 16 else [0.3, 1.0])),  # see below
         decay,
     )
 

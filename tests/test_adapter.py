@@ -18,7 +18,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from h2o_fn import H2OConfig, absorb, assert_invariants, init, kept_positions, step
+from h2o_fn import H2OConfig, absorb, assert_invariants, check_invariants, init, kept_positions, step
 from h2o_fn.adapters.attention import (
     attention_with_weights,
     install_query_hook,
@@ -380,3 +380,37 @@ def test_make_h2o_cache_needs_a_full_attention_layer():
 
     with pytest.raises(ValueError, match="full-attention"):
         make_h2o_cache(OnlyWindows(), H2OConfig(budget=32))
+
+
+@pytest.mark.parametrize("scoring", ["key", "query"])
+def test_evict_every_scores_decode_tokens_as_chunks(llama, scoring):
+    """evict_every=k: k - 1 decode tokens are only written, the k-th scores all k as one
+    oneshot chunk: the same kept positions and scores as feeding chunks of k."""
+    from helpers import kept, scores
+
+    TOKENS = mx.array(np.random.default_rng(3).integers(0, 101, (1, 40)))  # noqa: N806
+    cfg = H2OConfig(budget=12, n_sink=2, grace=3, scoring=scoring, evict_every=4)
+    staged = make_h2o_cache(llama, cfg)
+    chunked = make_h2o_cache(llama, cfg._replace(evict_every=1))
+    llama(TOKENS[:, :9], cache=staged)
+    llama(TOKENS[:, :9], cache=chunked)
+    for i in range(9, 33):
+        assert mx.all(mx.isfinite(llama(TOKENS[:, i : i + 1], cache=staged))).item()
+        assert staged[0].tokens_kept <= cfg.budget + cfg.evict_every - 1
+    for i in range(9, 33, 4):
+        llama(TOKENS[:, i : i + 4], cache=chunked)
+    for a, b in zip(staged, chunked):
+        assert kept(a.core_state) == kept(b.core_state)
+        for x, y in zip(scores(a.core_state)[0], scores(b.core_state)[0]):
+            assert x.keys() == y.keys() and all(abs(x[p] - y[p]) < 1e-6 for p in x)
+    for i in (33, 34):  # two staged, then a save scores them first
+        llama(TOKENS[:, i : i + 1], cache=staged)
+    assert staged[0].tokens_kept == 14
+    loaded = staged[0].from_state(staged[0].state)
+    assert loaded.tokens_kept == staged[0].tokens_kept == 12
+    assert check_invariants(staged[0].core_state, cfg) == []
+
+
+def test_evict_every_with_nothing_evicted_equals_the_full_cache(llama):
+    cache = make_h2o_cache(llama, H2OConfig(budget=64, n_sink=2, grace=4, scoring="key", evict_every=8))
+    assert mx.array_equal(run(llama, cache), run(llama, [KVCache() for _ in llama.layers]))

@@ -56,13 +56,15 @@ def test_batch_generate_equals_mlx_lm_when_nothing_is_evicted(model, scoring):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("scoring, prefill, kv_bits", [
-    ("key", "oneshot", None), ("query", "oneshot", None), ("key", "greedy", None), ("query", "oneshot", 8),
+@pytest.mark.parametrize("scoring, prefill, kv_bits, evict_every", [
+    ("key", "oneshot", None, 1), ("query", "oneshot", None, 1), ("key", "greedy", None, 1),
+    ("query", "oneshot", 8, 1), ("key", "oneshot", None, 3), ("query", "oneshot", None, 3),
 ])
-def test_each_row_evicts_on_its_own_positions(model, scoring, prefill, kv_bits):
-    """At a small budget every row of the batch keeps exactly what it keeps alone."""
+def test_each_row_evicts_on_its_own_positions(model, scoring, prefill, kv_bits, evict_every):
+    """At a small budget every row of the batch keeps exactly what it keeps alone (rows
+    that finish early leave the others' staged decode tokens staged)."""
     cfg = H2OConfig(budget=9, n_sink=1, grace=2, scoring=scoring, prefill=prefill, kv_bits=kv_bits,
-                    kv_group_size=32)
+                    kv_group_size=32, evict_every=evict_every)
     out = batch_generate(model, Tokenizer(), PROMPTS, max_tokens=MAX_TOKENS, return_token_ids=True,
                          return_prompt_caches=True, prompt_caches=[make_h2o_cache(model, cfg) for _ in PROMPTS])
     for prompt, ids, caches in zip(PROMPTS, out.token_ids, out.caches):
@@ -70,6 +72,7 @@ def test_each_row_evicts_on_its_own_positions(model, scoring, prefill, kv_bits):
         for a, b in zip(caches, alone):
             assert type(a) is H2OKVCache
             assert a.tokens_seen == b.tokens_seen == len(prompt) + len(ids)
+            a._flush(), b._flush()  # staged tokens scored in both (evict_every > 1)
             assert a.tokens_kept == cfg.budget and check_invariants(a.core_state, cfg) == []
             assert mx.array_equal(kept_positions(a.core_state), kept_positions(b.core_state))
             np.testing.assert_allclose(np.array(a.core_state.scores), np.array(b.core_state.scores),
