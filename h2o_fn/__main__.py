@@ -1,4 +1,4 @@
-"""Command line: `python -m h2o_fn {demo,generate,eval,bench}` (also the `h2o-fn` script).
+"""Command line: `python -m h2o_fn {demo,generate,eval,bench,serve}` (also the `h2o-fn` script).
 
 Every command is a module with `setup_arg_parser()` and `main(argv=None)`, loaded by
 name when asked for: only `demo` lives in the core package; the others need mlx-lm
@@ -12,6 +12,7 @@ COMMANDS = {
     "generate": "h2o_fn.adapters.cli.generate",
     "eval": "h2o_fn.adapters.cli.evaluate",
     "bench": "h2o_fn.adapters.cli.bench",
+    "serve": "h2o_fn.adapters.cli.serve",
     "demo": "h2o_fn.demo",
 }
 
@@ -19,6 +20,7 @@ SUMMARIES = {
     "generate": "generate text with an H2O cache (--demo: side by side with mlx-lm's caches)",
     "eval": "quality: streaming perplexity, agreement, retrieval, memory frontier, oracle mass",
     "bench": "speed: per-layer update, decode vs context, prefill",
+    "serve": "mlx-lm's OpenAI-compatible server (mlx_lm.server) with H2O caches",
     "demo": "the pure core on a synthetic stream: Algorithm 1's freeze vs grace + decay",
 }
 

@@ -1,0 +1,378 @@
+"""`python -m h2o_fn serve`: mlx-lm's OpenAI-compatible server (`mlx_lm.server`) with H2O caches.
+
+Every cache the server builds for the model is an H2O cache list (`use_h2o`): the
+continuous-batching path (mlx-lm's `BatchGenerator`, taken because every H2O cache has
+`merge`), the one-request-at-a-time path, streaming and non-streaming alike. The model
+is loaded by h2o-fn's `--model` loader (the bundled SmolLM2-135M-Instruct GGUF by
+default, a GGUF file, an mlx-lm model directory or a hub id).
+
+Flags: `--model`, the H2O policy flags of `generate` (`--budget`, `--n-sink`, `--grace`,
+`--decay`, `--scoring`, `--prefill`, `--kv-bits`, `--kv-group-size`, `--window`, `--pool`,
+`--allocation`: per-layer budgets, planned once at load), and mlx_lm.server's
+own flags (`--host`, `--port`, `--max-tokens`, `--temp`, `--decode-concurrency`,
+`--prompt-cache-size`, ...), taken from mlx_lm.server's own parser. `--kv-bits` and
+`--kv-group-size` are H2O's (kept rows stored quantized); mlx_lm.server's quantized cache
+(and its `--quantized-kv-start`) would replace H2O's and switch batching off, so it is
+not offered. Refused with the reason: `--adapter-path`, `--draft-model` /
+`--num-draft-tokens` (speculative decoding trims the cache after rejected drafts, which
+H2O cannot do once it has evicted), `--trust-remote-code`, `--pipeline`.
+
+Prompt-cache reuse stays on, and is correct with H2O. mlx_lm.server keeps finished
+requests' caches (and system-prompt prefixes) in its LRU prompt cache and, for a new
+prompt, deep-copies the nearest entry:
+- an entry whose tokens the prompt extends (a conversation's next turn) continues from
+  the stored H2O state: the same tokens fed in more chunks, which is what H2O would hold
+  had the conversation been one stream (a cold request of the same prompt, prefilled
+  in one chunk, may evict differently);
+- an entry longer than the prompt is trimmed back only while it is trimmable, i.e. has
+  evicted nothing (`H2OKVCache.is_trimmable`); an entry that has evicted is never
+  trimmed: the server falls back to a shorter entry or a fresh cache;
+- an entry equal to the whole prompt (mlx-lm 0.32 would hand over a cache with no token
+  left to feed, which its batch generator rejects): stepped back one token, by trimming
+  when trimmable, else from the nearest shorter entry (`H2OPromptCache`).
+`--prompt-cache-size 0` switches reuse off.
+
+Observability: `GET /v1/h2o/stats` returns, for the model being served, the policy, the
+budget of each H2O layer (`budget_per_layer`), and the tokens kept and seen per layer,
+maximised over every cache stored in the prompt cache since the start (`stored`: mlx-lm
+stores each finished request's cache as type "assistant", and prompt prefixes as
+"system"/"user", or as "assistant" when the prompt is one segment, e.g. a text
+completion; `by_type` counts them) and over the entries held now (`held`, with their
+bytes and how many are still trimmable); `within_budget` compares the stored maxima with
+the budgets. A log line per stored cache says the same. Requests still running are not
+counted until they finish. Every number is read from the caches (`tokens_kept`,
+`tokens_seen`, `config.budget`, `nbytes`, `is_trimmable()`).
+
+Example:
+    h2o-fn serve --budget 256 --port 8080
+    curl localhost:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 64}'
+    curl localhost:8080/v1/h2o/stats
+"""
+
+import argparse
+import gc
+import json
+import logging
+import threading
+import types
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import mlx.core as mx
+from mlx_lm import server as mlx_server
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from h2o_fn import H2OConfig
+
+from .. import allocation
+from ..mlx_lm import h2o_caches, use_h2o
+from . import common
+
+STATS_PATH = "/v1/h2o/stats"
+
+log = logging.getLogger("h2o_fn.serve")
+
+# mlx_lm.server flags this command defines itself (--model, H2O's --kv-bits/--kv-group-size)
+REPLACED = ("help", "model", "kv_bits", "kv_group_size", "quantized_kv_start")
+# mlx_lm.server flags it cannot honour, and why (an error when given)
+REFUSED = {
+    "adapter_path": "h2o-fn's --model loader does not apply LoRA adapters",
+    "draft_model": "speculative decoding trims the cache after rejected drafts, which H2O cannot "
+    "do once it has evicted",
+    "num_draft_tokens": "there is no draft model (see --draft-model)",
+    "trust_remote_code": "h2o-fn's --model loader does not pass it on",
+    "pipeline": "h2o-fn serve runs in one process (no distributed serving)",
+}
+
+# ---------------------------------------------------------------- flags
+
+
+class _Built(Exception):
+    def __init__(self, parser):
+        super().__init__("parser built")
+        self.parser = parser
+
+
+def mlx_server_parser() -> argparse.ArgumentParser:
+    """mlx_lm.server's own argument parser, exactly as its `main()` builds it.
+
+    mlx_lm.server builds its parser inside `main()`; this runs `main()` with an
+    `ArgumentParser` that stops at `parse_args` and hands the parser back, so every flag
+    keeps mlx-lm's own definition (name, type, default, help).
+    """
+
+    class Stop(argparse.ArgumentParser):
+        def parse_args(self, args=None, namespace=None):
+            raise _Built(self)
+
+    saved = mlx_server.argparse
+    mlx_server.argparse = types.SimpleNamespace(**{**vars(argparse), "ArgumentParser": Stop})
+    try:
+        mlx_server.main()
+    except _Built as built:
+        return built.parser
+    finally:
+        mlx_server.argparse = saved
+    raise RuntimeError("mlx_lm.server.main() returned without parsing arguments: this mlx-lm "
+                       "version builds its parser differently")
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m h2o_fn serve",
+        description="mlx-lm's OpenAI-compatible server (mlx_lm.server) with H2O caches on the model: "
+        "continuous batching and streaming as mlx-lm does them, the prompt cache reused (an entry "
+        "that has evicted is continued, never trimmed; --prompt-cache-size 0 switches reuse off), "
+        f"and GET {STATS_PATH} for the budget and the tokens kept and seen per layer.",
+        epilog="Not offered: mlx_lm.server's --quantized-kv-start (its quantized cache would replace "
+        "H2O's; --kv-bits here stores H2O's kept rows quantized), and, refused with the reason: "
+        + "; ".join(f"--{d.replace('_', '-')} ({why})" for d, why in REFUSED.items()) + ".",
+    )
+    common.add_model_flag(parser)
+    common.add_policy_flags(parser)
+    common.add_allocation_flag(parser)
+    group = parser.add_argument_group("mlx_lm.server (its own flags, passed through)")
+    for action in mlx_server_parser()._actions:
+        if action.dest in REPLACED:
+            continue
+        if action.dest in REFUSED:
+            action.help = argparse.SUPPRESS
+        group._add_action(action)
+    return parser
+
+
+def server_args(args: argparse.Namespace, model: str) -> argparse.Namespace:
+    """The namespace mlx_lm.server's classes read (`ModelProvider.cli_args`): our flags, with
+    mlx-lm's own KV quantization off (H2O's `--kv-bits` lives in the policy) and `model`
+    the path or id served as `default_model`."""
+    out = argparse.Namespace(**vars(args))
+    out.model = model
+    out.kv_bits, out.kv_group_size = None, 64
+    out.quantized_kv_start = mlx_server.DEFAULT_QUANTIZED_KV_START
+    return out
+
+
+# ---------------------------------------------------------------- the model
+
+
+class H2OModelProvider(mlx_server.ModelProvider):
+    """mlx_lm.server's ModelProvider, loading with h2o-fn's `--model` loader (GGUF files
+    too) and `use_h2o(model, config)` applied, so every cache mlx-lm builds is H2O."""
+
+    def __init__(self, cli_args: argparse.Namespace, config: H2OConfig,
+                 allocation_policy: str = allocation.DEFAULT_ALLOCATION):
+        super().__init__(cli_args)
+        self.config = config
+        self.allocation = allocation_policy
+
+    def _load(self, model_path, adapter_path=None, draft_model_path=None):
+        if adapter_path is not None or draft_model_path is not None:
+            raise ValueError("h2o-fn serve: adapters and draft models are not available "
+                             f"({REFUSED['adapter_path']}; {REFUSED['draft_model']})")
+        self.reset()
+        gc.collect()
+        mx.clear_cache()
+        model, tokenizer = common.load_model(model_path)
+        if self.cli_args.chat_template:
+            tokenizer.chat_template = self.cli_args.chat_template
+            tokenizer.has_chat_template = True
+        if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
+            tokenizer.chat_template = tokenizer.default_chat_template
+        budgets = allocation.budgets_for(model, self.allocation, self.config, tokenizer)
+        use_h2o(model, self.config, budgets)
+        caches = make_prompt_cache(model)
+        self.model_key = (model_path, None, None)
+        self.model, self.tokenizer = model, tokenizer
+        self.processor, self.draft_model = None, None  # text only
+        self.is_batchable = all(hasattr(c, "merge") for c in caches)
+        layers = h2o_caches(caches)
+        budgets = [c.config.budget for c in layers]
+        log.info("H2O on %d of %d layers of %s: %s; budgets (%s) %s; %s", len(layers), len(caches),
+                 model_path, _policy(self.config), self.allocation,
+                 budgets if len(set(budgets)) > 1 else f"{budgets[0]} in every layer",
+                 "continuous batching" if self.is_batchable else "one request at a time (a layer's "
+                 "cache cannot merge)")
+
+    def h2o_budgets(self) -> List[int]:
+        """The budget of each H2O layer, read from a cache list built for the model."""
+        if self.model is None:
+            return []
+        return [c.config.budget for c in h2o_caches(make_prompt_cache(self.model))]
+
+
+def _policy(config: H2OConfig) -> str:
+    return ", ".join(f"{k}={v}" for k, v in config._asdict().items())
+
+
+# ---------------------------------------------------------------- the prompt cache
+
+
+class _Totals:
+    """Per layer maxima of tokens kept and seen over the caches stored so far."""
+
+    def __init__(self):
+        self.caches = 0
+        self.by_type: Dict[str, int] = {}  # mlx-lm's cache_type of each
+        self.kept: List[int] = []
+        self.seen: List[int] = []
+
+    def add(self, kept: List[int], seen: List[int], cache_type: str = "") -> None:
+        self.caches += 1
+        self.by_type[cache_type] = self.by_type.get(cache_type, 0) + 1
+        self.kept = _max(self.kept, kept)
+        self.seen = _max(self.seen, seen)
+
+
+def _max(a: List[int], b: List[int]) -> List[int]:
+    return [max(x, y) for x, y in zip(a, b)] if a else list(b)
+
+
+class H2OPromptCache(LRUPromptCache):
+    """mlx-lm's LRU prompt cache, safe to read from the HTTP threads, with H2O figures.
+
+    Fetching is mlx-lm's (deep copies; a longer entry is trimmed only when trimmable, so
+    an H2O entry that has evicted is never trimmed), except an exact hit: mlx-lm 0.32
+    returns it with no token left to feed, which its batch generator rejects ("empty
+    prompt"); here it steps back one token (trimmed when trimmable, else the nearest
+    shorter entry). Every stored cache adds its tokens kept and seen per H2O layer to the
+    totals `stats` reports, and is logged.
+    """
+
+    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63):
+        super().__init__(max_size, max_bytes)
+        self._lock = threading.RLock()
+        self._totals: Dict[Any, _Totals] = {}
+
+    def fetch_nearest_cache(self, model: Any, tokens: List[int]):
+        with self._lock:
+            cache, rest = super().fetch_nearest_cache(model, tokens)
+            if cache is None or rest or not tokens:
+                return cache, rest
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                return cache, tokens[-1:]
+            if len(tokens) < 2:
+                return None, tokens
+            cache, rest = self.fetch_nearest_cache(model, tokens[:-1])
+            return cache, rest + tokens[-1:]
+
+    def insert_cache(self, model: Any, tokens: List[int], prompt_cache: List[Any], *,
+                     cache_type: str = "assistant"):
+        layers = h2o_caches(prompt_cache)
+        kept, seen = [c.tokens_kept for c in layers], [c.tokens_seen for c in layers]
+        with self._lock:
+            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+            if layers:  # logged before `stats` can count it
+                log.info("H2O cache stored (%s, %d tokens): %d layers, tokens kept per layer %s "
+                         "(budget %s), seen %s", cache_type, len(tokens), len(layers), _span(kept),
+                         _span([c.config.budget for c in layers]), _span(seen))
+                self._totals.setdefault(model, _Totals()).add(kept, seen, cache_type)
+
+    def trim_to(self, **kwargs):
+        with self._lock:
+            super().trim_to(**kwargs)
+
+    def stats(self, model: Any) -> dict:
+        """Tokens kept and seen per H2O layer: maxima over every cache stored for `model`
+        since the start, and over the entries held now."""
+        with self._lock:
+            totals = self._totals.get(model, _Totals())
+            held = [self._trie.get(m, t) for lru in self._lru._lrus.values() for m, t in lru if m == model]
+            now = _Totals()
+            for entry in held:
+                layers = h2o_caches(entry.prompt_cache)
+                now.add([c.tokens_kept for c in layers], [c.tokens_seen for c in layers])
+            return {
+                "stored": {"caches": totals.caches, "by_type": dict(totals.by_type),
+                           "max_kept_per_layer": list(totals.kept),
+                           "max_seen_per_layer": list(totals.seen)},
+                "held": {"caches": len(held), "bytes": sum(e.nbytes for e in held),
+                         "trimmable": sum(can_trim_prompt_cache(e.prompt_cache) for e in held),
+                         "max_kept_per_layer": now.kept, "max_seen_per_layer": now.seen},
+            }
+
+
+def _span(xs: List[int]) -> str:
+    if not xs:
+        return "-"
+    lo, hi = min(xs), max(xs)
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def server_stats(response_generator) -> dict:
+    """What `GET /v1/h2o/stats` returns (see the module docstring)."""
+    provider = response_generator.model_provider
+    model_key = provider.model_key
+    budgets = provider.h2o_budgets()
+    out = {
+        "model": None if model_key is None else model_key[0],
+        "policy": provider.config._asdict(),
+        "h2o_layers": len(budgets),
+        "budget_per_layer": budgets,
+    }
+    out.update(response_generator.prompt_cache.stats(model_key))
+    kept = out["stored"]["max_kept_per_layer"]
+    out["within_budget"] = all(k <= b for k, b in zip(kept, budgets)) if kept else None
+    return out
+
+
+# ---------------------------------------------------------------- HTTP
+
+
+class H2OAPIHandler(mlx_server.APIHandler):
+    """mlx_lm.server's handler plus `GET /v1/h2o/stats`."""
+
+    def do_GET(self):
+        if self.path.split("?", 1)[0].rstrip("/") == STATS_PATH:
+            body = json.dumps(server_stats(self.response_generator)).encode()
+            self._set_completion_headers(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
+            return
+        super().do_GET()
+
+
+def serve(host: str, port: int, provider: H2OModelProvider) -> None:
+    """mlx_lm.server's `run`, with the H2O prompt cache and handler (blocks until Ctrl-C)."""
+    prompt_cache = H2OPromptCache(provider.cli_args.prompt_cache_size)
+    generator = mlx_server.ResponseGenerator(provider, prompt_cache)
+    mlx_server._run_http_server(host, port, generator, handler_class=H2OAPIHandler)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    for dest, why in REFUSED.items():
+        if getattr(args, dest) != parser.get_default(dest):
+            parser.error(f"--{dest.replace('_', '-')} is not available with h2o-fn serve: {why}")
+    config = common.policy_or_error(parser, args, args.budget)
+    if mx.distributed.init().size() > 1:
+        parser.error(REFUSED["pipeline"])
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s - %(levelname)s - %(message)s")
+    if args.model is None:
+        from ..gguf import INSTALL_HINT, default_gguf_path
+
+        try:
+            model = str(default_gguf_path())
+        except FileNotFoundError as e:
+            raise SystemExit(f"h2o-fn serve: {e} ({INSTALL_HINT})") from None
+    else:
+        model = str(Path(args.model).expanduser()) if Path(args.model).expanduser().exists() else args.model
+    provider = H2OModelProvider(server_args(args, model), config, args.allocation)
+    try:  # load here, so that a bad --model stops the command instead of the serving thread
+        provider.load_default()
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"h2o-fn serve: {e}") from None
+    log.info("prompt cache: %s", "off (--prompt-cache-size 0)" if args.prompt_cache_size <= 0 else
+             f"on, {args.prompt_cache_size} entries: a stored H2O cache is continued when a prompt "
+             "extends it, and trimmed back only while it has evicted nothing")
+    log.info("H2O stats: GET http://%s:%d%s", args.host, args.port, STATS_PATH)
+    serve(args.host, args.port, provider)
+
+
+if __name__ == "__main__":
+    main()
