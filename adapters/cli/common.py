@@ -93,6 +93,17 @@ def load_or_exit(command: str, spec: Optional[str], dequantize: bool = False):
         raise SystemExit(f"h2o-fn {command}: {e}") from None
 
 
+def shard_or_exit(command: str, model) -> mx.distributed.Group:
+    """`distributed.shard(model)`: a no-op on one process; under mlx.launch the model is
+    split by heads over the ranks. A model that cannot be split exits with the reason."""
+    from ..distributed import shard
+
+    try:
+        return shard(model)
+    except ValueError as e:
+        raise SystemExit(f"h2o-fn {command}: {e}") from None
+
+
 # ---------------------------------------------------------------- the policy flags
 
 POLICY_FLAGS = ("budget", "n_sink", "grace", "decay", "scoring", "prefill", "kv_bits", "kv_group_size",

@@ -5,6 +5,10 @@ Flags mirror `mlx_lm.generate` (--model, --prompt, --max-tokens, --temp, --top-p
 --n-sink, --grace, --decay, --scoring, --prefill). The default model is the bundled
 SmolLM2-135M-Instruct GGUF, so no argument is needed.
 
+Under `mlx.launch` (more than one rank in `mx.distributed.init()`) the model is sharded by
+attention heads over the ranks (mlx-lm's `shard`); each rank evicts its own KV heads and
+rank 0 prints (see h2o_fn.adapters.distributed).
+
 `--compare` runs the same prompt again with mlx-lm's full `KVCache` and a
 `RotatingKVCache` of the same budget (and `QuantizedKVCache` with --kv-bits), then
 prints a side-by-side summary. `--demo` is what `make run` shows: --compare, 300 new
@@ -14,6 +18,7 @@ given), and it says so.
 
 import argparse
 import math
+import os
 import sys
 import textwrap
 from typing import List, Optional
@@ -200,6 +205,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.budget is not None:  # a bad combination fails before the model loads
         common.policy_or_error(parser, args, args.budget)
     model, tokenizer = common.load_or_exit("generate", args.model)
+    group = common.shard_or_exit("generate", model)  # under mlx.launch: heads split over ranks
+    if group.rank() != 0:  # every rank runs the same steps; rank 0 alone prints
+        sys.stdout = sys.stderr = open(os.devnull, "w")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     ids = build_prompt(tokenizer, prompt, not args.ignore_chat_template, args.system_prompt)
 
@@ -216,6 +224,9 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     print(f"h2o-fn generate: {common.model_name(args.model)}")
     print(f"H2O policy: {config}")
+    if group.size() > 1:
+        print(f"tensor parallel: {group.size()} ranks over mx.distributed; each evicts its own KV heads, "
+              "and KV bytes below are rank 0's share")
     if chosen:
         print(chosen)
     print("=" * 10, flush=True)
