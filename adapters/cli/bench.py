@@ -349,10 +349,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = setup_arg_parser()
-    args = parser.parse_args(argv)
-    unknown = [w for w in args.what if w not in SECTIONS]
-    if unknown:
-        parser.error(f"unknown section(s) {unknown}: expected any of {list(SECTIONS)}")
+    args = common.parse_sections(parser, argv, SECTIONS)
     if args.kv_bits and "update" in args.what and 64 % args.kv_group_size:
         parser.error(f"--kv-group-size {args.kv_group_size} does not divide the update section's head_dim 64")
     policy = lambda budget, **changes: common.policy_or_error(parser, args, budget, **changes)

@@ -224,6 +224,15 @@ def blas_report() -> str:
     return "BLAS: mlx's bundled reference BLAS (OpenBLAS not preloaded)"
 
 
+def parse_sections(parser: argparse.ArgumentParser, argv, sections) -> argparse.Namespace:
+    """Parse `argv`; the positional `what` must name sections of `sections` (eval, bench)."""
+    args = parser.parse_args(argv)
+    unknown = [w for w in args.what if w not in sections]
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}: expected any of {list(sections)}")
+    return args
+
+
 def add_run_flags(parser: argparse.ArgumentParser, out: str) -> None:
     """--model, --out, --no-openblas, --quantized (eval and bench)."""
     add_model_flag(parser)

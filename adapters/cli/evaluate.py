@@ -508,10 +508,7 @@ def draw(results: dict, out: Path, what: List[str]) -> List[str]:
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = setup_arg_parser()
-    args = parser.parse_args(argv)
-    unknown = [w for w in args.what if w not in SECTIONS]
-    if unknown:
-        parser.error(f"unknown section(s) {unknown}: expected any of {list(SECTIONS)}")
+    args = common.parse_sections(parser, argv, SECTIONS)
     budgets = {"ppl": args.budgets, "agree": args.gen_budgets, "plots": args.gen_budgets,
                "retrieval": args.passkey_budgets, "sweep": [args.sweep_budget]}
     for budget in {b for w in args.what for b in budgets.get(w, ())}:
