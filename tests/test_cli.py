@@ -250,7 +250,9 @@ def test_bench_every_section_with_kv_bits(tiny_dir, tmp_path):
     assert {"KVCache", "H2O step (compiled)", "H2O step (compiled, 8-bit)"} <= update
     assert {r["part"] for r in results["profile"]} >= {"proxy weights", "step"}
     decode = {r["cache"] for r in results["decode"]["rows"]}
-    assert {"QuantizedKVCache(8 bits)", "H2O key (24, 8-bit)", "RotatingKVCache(24, keep=4)"} <= decode
+    assert {"QuantizedKVCache(8 bits)", "H2O key (24, 8-bit)", "RotatingKVCache(24, keep=4)",
+            "H2O query (24, evict_every 8)"} <= decode
+    assert "oneshot absorb of 8 staged tokens, per token" in {r["part"] for r in results["profile"]}
     assert all(r["tok_s"] > 0 for r in results["decode"]["rows"])
     assert results["prefill"][0]["vs_full"] == pytest.approx(1.0)
     assert any("8-bit" in r["cache"] for r in results["prefill"])

@@ -21,7 +21,7 @@ import json
 import statistics
 import sys
 import time
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
@@ -150,6 +150,12 @@ def bench_profile(configs, layers=30, repeats=60) -> list:
         for name, part in parts.items():
             rows.append({"budget": budget, "part": name,
                          "us_per_layer": _chained(mx.compile(part), start, layers, repeats)})
+        k = 8  # evict_every = 8: seven staged steps (an admit each), then this chunk of 8
+        cfg8, tok8 = cfg._replace(evict_every=k), mx.random.normal((1, 3, k, 64))
+        start8 = absorb(init(cfg8, 1, 3, 64, mx.float32), ctx, ctx, cfg8)
+        chunk = _chained(mx.compile(lambda s: absorb(s, tok8, tok8, cfg8)), start8, layers, repeats)
+        rows.append({"budget": budget, "part": f"oneshot absorb of {k} staged tokens, per token",
+                     "us_per_layer": chunk / k})
         held = []  # an extra reference to the keys: MLX must copy the cache instead of writing in place
         rows.append({
             "budget": budget,
@@ -190,20 +196,30 @@ def fill(model, cache, tokens, chunk: int) -> float:
     return time.perf_counter() - t
 
 
-def decode_rate(model, cache, start: int, steps: int) -> float:
-    """Greedy decode `steps` tokens after the context; seconds per token (median)."""
+def decode_rate(model, cache, start: int, steps: int, warm: int = 8) -> float:
+    """Greedy decode `warm` tokens, then `steps` more; mean seconds per token of those.
+
+    The mean, not the median: with evict_every = k the steps differ (k - 1 row writes,
+    then one chunk scored), and a user waits for all of them; `steps` should be a multiple
+    of k."""
     y = mx.array([[start]])
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
+
+    def one(y):
         logits = model(y, cache=cache)
         y = mx.argmax(logits[:, -1], axis=-1, keepdims=True)
         mx.eval(y)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[min(2, len(times) - 1):])
+        return y
+
+    for _ in range(warm):
+        y = one(y)
+    t = time.perf_counter()
+    for _ in range(steps):
+        y = one(y)
+    return (time.perf_counter() - t) / steps
 
 
-def caches_at(model, policy, budget: int, kv_bits: Optional[int], group_size: int) -> dict:
+def caches_at(model, policy, budget: int, kv_bits: Optional[int], group_size: int,
+              evict_every: Sequence[int] = ()) -> dict:
     """name -> a function building that cache: the decode section's rows.
 
     `policy(budget, **changes)` gives the H2O config; the rotating baseline keeps as many
@@ -217,6 +233,11 @@ def caches_at(model, policy, budget: int, kv_bits: Optional[int], group_size: in
         f"H2O key ({budget})": lambda: make_h2o_cache(model, key),
         f"H2O query ({budget})": lambda: make_h2o_cache(model, query),
     }
+    for k in evict_every:  # decode tokens scored k at a time
+        out[f"H2O key ({budget}, evict_every {k})"] = lambda k=k: make_h2o_cache(
+            model, key._replace(evict_every=k))
+        out[f"H2O query ({budget}, evict_every {k})"] = lambda k=k: make_h2o_cache(
+            model, query._replace(evict_every=k))
     if kv_bits:
         out[f"QuantizedKVCache({kv_bits} bits)"] = lambda: [
             QuantizedKVCache(group_size=group_size, bits=kv_bits) for _ in model.layers
@@ -340,7 +361,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="budgets of profile (default 512 4096)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192],
                         help="context lengths before decode (default 1024 4096 8192)")
-    parser.add_argument("--steps", type=int, default=24, help="decode steps timed per row (median)")
+    parser.add_argument("--steps", type=int, default=32,
+                        help="decode steps timed per row, after 8 untimed (mean; a multiple of --evict-every)")
+    parser.add_argument("--evict-every", type=int, nargs="*", default=[8],
+                        help="extra decode rows with H2O scoring decode tokens k at a time (default 8)")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size before decode")
     parser.add_argument("--prefill-tokens", type=int, default=4096, help="prompt length of prefill")
     parser.add_argument("--prefill-chunk", type=int, default=2048, help="mlx-lm's default prefill_step_size")
@@ -370,7 +394,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         tokens = corpus_tokens(tokenizer, need)
         with query_scoring(model):  # the hook lives for this command only
             if "decode" in args.what:
-                caches = caches_at(model, policy, args.budget, args.kv_bits, args.kv_group_size)
+                caches = caches_at(model, policy, args.budget, args.kv_bits, args.kv_group_size,
+                                   args.evict_every)
                 results["decode"] = {
                     "budget": args.budget,
                     "chunk": args.chunk,
