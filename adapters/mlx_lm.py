@@ -42,6 +42,21 @@ def _leaders(caches: Sequence[Any]) -> int:
                                       and any(type(m) is KVCache for m in c.caches)) for c in caches)
 
 
+def _followed_layers(caches: Sequence[Any]) -> List[int]:
+    """H2O layers (in `_leaders` order) whose CacheList holds more than one KV cache."""
+    out, i = [], 0
+    for c in caches:
+        if type(c) is KVCache:
+            i += 1
+        elif isinstance(c, mlx_cache.CacheList):
+            kv = sum(type(m) is KVCache for m in c.caches)
+            if kv:
+                if kv > 1:
+                    out.append(i)
+                i += 1
+    return out
+
+
 def _build(model: nn.Module, configs: List[H2OConfig], argmin) -> List[Any]:
     """The model's own caches with H2O in every full-attention layer (configs in layer order)."""
     per_layer = iter(configs)
@@ -151,6 +166,12 @@ def layer_configs(model: nn.Module, config: Optional[H2OConfig] = None,
     if budgets is not None and len(budgets) != n:
         raise ValueError(f"budgets has {len(budgets)} entries: expected one per H2O layer ({n})")
     configs = [config] * n if budgets is None else [_at_budget(config, b, i) for i, b in enumerate(budgets)]
+    followed = [i for i in _followed_layers(_model_caches(model)) if configs[i].evict_every > 1]
+    if followed:  # followers re-lay their rows out after chunks, not after staged flushes
+        warnings.warn(
+            f"{type(model).__name__}: H2O layers {followed} hold several KV caches in lockstep, "
+            "which take decode tokens one at a time: they use evict_every=1", stacklevel=3)
+        configs = [c._replace(evict_every=1) if i in followed else c for i, c in enumerate(configs)]
     uniform = len({c.budget for c in configs}) == 1
     if config.scoring == "query" or not uniform:
         if install_query_hook(model) == 0 and not uniform:

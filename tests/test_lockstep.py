@@ -72,3 +72,13 @@ def test_models_with_several_caches_per_layer_save_load_and_copy(name, tmp_path)
         assert all(c.tokens_kept == 6 for c in h2o_caches(cache))
     finally:
         remove_query_hook(model)
+
+
+def test_lockstep_layers_take_decode_tokens_one_at_a_time():
+    model = zoo.build("deepseek_v32")
+    try:
+        with pytest.warns(UserWarning, match="use evict_every=1"):
+            cache = make_h2o_cache(model, H2OConfig(budget=6, n_sink=1, grace=2, scoring="key", evict_every=4))
+        assert all(c.config.evict_every == 1 for c in h2o_caches(cache))
+    finally:
+        remove_query_hook(model)
