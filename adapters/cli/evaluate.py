@@ -75,7 +75,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("what", nargs="*", default=list(SECTIONS),
                         help=f"sections to run, any of: {' '.join(SECTIONS)} (default: all)")
     common.add_run_flags(parser, "results/eval")
-    common.add_policy_flags(parser, ("n_sink", "grace", "decay", "kv_bits", "kv_group_size", "window", "pool"))
+    common.add_policy_flags(parser, ("n_sink", "grace", "decay", "kv_bits", "kv_group_size", "window", "pool",
+                                     "evict_every"))
     parser.add_argument("--allocations", nargs="+", choices=POLICIES, default=list(POLICIES),
                         help="per-layer budget policies compared in ppl (true-query H2O; default: all)")
     parser.add_argument("--tokens", type=int, default=2048, help="perplexity text length (default 2048)")
