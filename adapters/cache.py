@@ -3,7 +3,7 @@
 One cache per attention layer. mlx-lm rotates queries and keys with
 `cache.offset` (absolute tokens seen), so kept keys keep the rotation of their
 own position and every query-key distance stays exact. Shapes: B batch rows,
-H KV heads, C = budget + 1 slots, D head_dim, N new tokens.
+H KV heads, C = budget + evict_every slots, D head_dim, N new tokens.
 
 `update_and_fetch(keys, values)` returns the attention view of the core
 (`h2o_fn.view`: the kept rows plus the N new tokens); the stored state is
@@ -153,7 +153,7 @@ class H2OKVCache(_BaseCache):
         prefill rule), with their own attention weights for query scoring."""
         if not self._staged:
             self._staged_from = mx.array(self._seen, dtype=mx.int32)
-        admitted = core.admit(self._core, keys, values, self.config)
+        admitted = core.compiled_admit(self.config)(self._core, keys, values)
         self._staged.append((keys, values))
         if self.config.scoring == "key":
             self._core = admitted
@@ -178,7 +178,7 @@ class H2OKVCache(_BaseCache):
         weights = None
         if self.config.scoring == "query":
             weights = mx.concatenate(self._staged_w, axis=2)[..., : self.config.capacity + len(self._staged)]
-        self._core = core.absorb(base, chunk_k, chunk_v, self.config, weights, self.argmin)
+        self._core = core.compiled_absorb(self.config, self.argmin)(base, chunk_k, chunk_v, weights)
         self._lengths = [min(k, self.config.budget) for k in self._lengths]
         self._staged, self._staged_w = [], []
 

@@ -297,6 +297,23 @@ def compiled_step(config: H2OConfig, argmin: Argmin = protected_argmin):
     return mx.compile(one)
 
 
+@functools.lru_cache(maxsize=None)
+def compiled_admit(config: H2OConfig):
+    """`admit` for a fixed config under `mx.compile`: `fn(state, key, value)`."""
+    return mx.compile(lambda state, key, value: admit(state, key, value, config))
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_absorb(config: H2OConfig, argmin: Argmin = protected_argmin):
+    """`absorb` (oneshot prefill: no sync) under `mx.compile`: `fn(state, keys, values,
+    weights=None, n_alive=None)`, one trace per chunk length. Greedy prefill reads the
+    length back, so it is returned uncompiled."""
+    def chunk(state, keys, values, weights=None, n_alive=None):
+        return absorb(state, keys, values, config, weights, argmin, n_alive)
+
+    return chunk if config.prefill == "greedy" else mx.compile(chunk)
+
+
 def absorb(
     state: H2OState,
     keys: mx.array,

@@ -397,7 +397,7 @@ def render_frontier(f: dict) -> List[str]:
             f"scale and bias per group of {g} elements, as mlx-lm's QuantizedKVCache stores them). "
             "H2O also holds a float32 score and an int32 position per kept token and KV head: kept/seen "
             f"x 8 / (2 x {f['row_elements']}) (Dk + Dv = {f['row_elements']} float16 elements per row), "
-            "in its own column and in the total. Not counted: H2O's spare slot (budget + 1 allocated, "
+            "in its own column and in the total. Not counted: H2O's spare slots (budget + evict_every allocated, "
             "+1/budget) and mlx-lm's allocation in steps of 256 tokens. The model runs in float32 here; "
             "the bytes are those of the layouts a float16 model stores (nbytes as held here is in the JSON).",
             f"Full KVCache: **{full:.3f}**. Pareto: no other row has fewer bytes and lower perplexity.",

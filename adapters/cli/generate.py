@@ -184,7 +184,7 @@ def summary(rows: List[dict], full: dict) -> List[str]:
         )
     notes = (
         "kept/seen: tokens held / tokens fed, per layer and KV head. KV bytes: each cache's nbytes over "
-        "all layers (mlx-lm's caches grow in steps of 256 tokens; H2O holds budget + 1 slots plus a "
+        "all layers (mlx-lm's caches grow in steps of 256 tokens; H2O holds budget + evict_every slots plus a "
         "float32 score and an int32 position per slot). diverges at: the first generated token that "
         "differs from the full cache's, counted from 0 (never: the same tokens). rep. 4-grams: the "
         "share of generated 4-grams seen before (0 = no repetition)."
