@@ -302,13 +302,14 @@ class H2OKVCache(_BaseCache):
         return self.config.kv_group_size
 
     def is_trimmable(self) -> bool:
-        """Trimming is exact only while nothing has been evicted."""
-        self._settle_all("trim")
+        """Trimming is exact only while nothing has been evicted (staged tokens count as held)."""
+        self._require_settled("trim")
         return self._lengths == self._seen
 
     def trim(self, n: int) -> int:
         if not self.is_trimmable():
             return 0
+        self._flush()  # nothing was evicted, so scoring the staged tokens evicts nothing either
         n = min(n, min(self._seen, default=0))
         if n and self._core is not None:
             self._core = core.rewind(self._core, n)
@@ -324,14 +325,23 @@ class H2OKVCache(_BaseCache):
 
     @property
     def state(self):
-        """(keys, values, scores, positions, length, seen, meta_state) for save/load.
+        """(keys, values, scores, positions, length, seen, staged keys, staged values, staged
+        weights, staged from, meta_state) for save/load and for `mx.eval` (mlx-lm evaluates
+        `c.state` between prompt chunks: it reads, it never changes the cache).
 
-        Arrays first (a store is an array or mx.quantize's triple); mlx-lm 0.32 saves
-        only `state`, so the config string travels as its last element.
+        Arrays first (a store is an array or mx.quantize's triple; the staged decode tokens
+        of evict_every > 1, `[B, H, j, D]`, None when none); mlx-lm 0.32 saves only `state`,
+        so the config string travels as its last element.
         """
-        self._settle_all("save")
+        self._require_settled("save")
         arrays = (None,) * 6 if self._core is None else tuple(self._core)
-        return (*arrays, self.meta_state)
+        staged = (None,) * 4
+        if self._staged:
+            staged = (mx.concatenate([k for k, _ in self._staged], axis=2),
+                      mx.concatenate([v for _, v in self._staged], axis=2),
+                      mx.concatenate(self._staged_w, axis=2) if self._staged_w else None,
+                      self._staged_from)
+        return (*arrays, *staged, self.meta_state)
 
     @state.setter
     def state(self, v):
@@ -340,8 +350,13 @@ class H2OKVCache(_BaseCache):
         if arrays[0] is None:
             return
         keys, values = (tuple(x) if isinstance(x, (list, tuple)) else x for x in arrays[:2])
-        self._core = H2OState(keys, values, *arrays[2:])
+        self._core = H2OState(keys, values, *arrays[2:6])
         self._seen, self._lengths = self._core.seen.tolist(), self._core.length.tolist()
+        staged_k, staged_v, staged_w, self._staged_from = arrays[6:10]
+        if staged_k is not None:
+            j = staged_k.shape[2]
+            self._staged = [(staged_k[:, :, i : i + 1], staged_v[:, :, i : i + 1]) for i in range(j)]
+            self._staged_w = [] if staged_w is None else [staged_w[:, :, i : i + 1] for i in range(j)]
 
     @classmethod
     def merge(cls, caches: Sequence["H2OKVCache"]) -> "BatchH2OKVCache":

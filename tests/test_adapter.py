@@ -403,11 +403,14 @@ def test_evict_every_scores_decode_tokens_as_chunks(llama, scoring):
         assert kept(a.core_state) == kept(b.core_state)
         for x, y in zip(scores(a.core_state)[0], scores(b.core_state)[0]):
             assert x.keys() == y.keys() and all(abs(x[p] - y[p]) < 1e-6 for p in x)
-    for i in (33, 34):  # two staged, then a save scores them first
+    for i in (33, 34):  # two staged: saved and loaded as they are (reading state changes nothing)
         llama(TOKENS[:, i : i + 1], cache=staged)
     assert staged[0].tokens_kept == 14
-    loaded = staged[0].from_state(staged[0].state)
-    assert loaded.tokens_kept == staged[0].tokens_kept == 12
+    loaded = [c.from_state(c.state) for c in staged]
+    assert loaded[0].tokens_kept == staged[0].tokens_kept == 14
+    more = [llama(TOKENS[:, i : i + 1], cache=c) for c in (staged, loaded) for i in (35, 36)]
+    assert mx.array_equal(more[0], more[2]) and mx.array_equal(more[1], more[3])
+    assert staged[0].tokens_kept == loaded[0].tokens_kept == 12  # the 4th staged token scored them
     assert check_invariants(staged[0].core_state, cfg) == []
 
 
