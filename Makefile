@@ -19,7 +19,7 @@ demo: $(STAMP)  ## the pure core on a synthetic stream: Algorithm 1's freeze vs 
 	$(PY) -m h2o_fn demo
 
 test: $(STAMP)  ## the whole suite (hypothesis "ci" profile: 200 examples per property)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 run: $(STAMP)  ## the first run: generate with the bundled model, H2O evicting, beside mlx-lm's full and rotating caches
 	$(PY) -m h2o_fn generate --demo $(ARGS)

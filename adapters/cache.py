@@ -127,7 +127,8 @@ class H2OKVCache(_BaseCache):
                 self._core = core.compiled_step(cfg, self.argmin)(state, keys, values, None, one)
                 out = view.view(self._core, rows)
             else:  # admit now (the view reads the written row), settle when the weights come
-                admitted = core.admit(state, keys, values, cfg, one)
+                admitted = (core.compiled_admit(cfg)(state, keys, values) if one is None
+                            else core.admit(state, keys, values, cfg, one))
                 self._pending = Pending(admitted, None, None, rows, one)
                 out = view.view(admitted, rows)
         else:
@@ -245,8 +246,8 @@ class H2OKVCache(_BaseCache):
             if len(self._staged) == self.config.evict_every:
                 self._flush()
         elif p.keys is None:
-            self._core = core.settle(p.state, view.decode_weights(weights, p.state), self.config,
-                                     self.argmin, p.alive)
+            settle = core.compiled_settle(self.config, self.argmin)
+            self._core = settle(p.state, view.decode_weights(weights, p.state), p.alive)
         else:
             w = view.view_weights(p.state, weights, p.rows)
             self._core = core.absorb(p.state, p.keys, p.values, self.config, w, self.argmin, p.alive)

@@ -69,6 +69,14 @@ def init(
     )
 
 
+def _knob(x, dtype=mx.int32) -> mx.array:
+    """A config number as a computed 0-d array, not a literal. mx.compile names a fused
+    kernel after its literals' digits run together (mlx 0.32: n_sink=1, grace=10 reads as
+    n_sink=11, grace=0), and caches kernels by name across processes (/tmp/mlx), so two
+    configs would share one kernel; a computed scalar is read at run time instead."""
+    return x if isinstance(x, mx.array) else mx.array([x], dtype=dtype).reshape(())
+
+
 def _per_row(x: mx.array, ndim: int = 3) -> mx.array:
     """A `[B]` array shaped to broadcast against `[B, ...]` of `ndim` axes ([] stays [])."""
     return x.reshape(x.shape[0], *([1] * (ndim - 1))) if x.ndim == 1 else x
@@ -79,7 +87,7 @@ def evictable(positions: mx.array, newest: mx.array, n_sink: int, grace: int) ->
     grace window (p > newest - grace). Free slots (p = -1) never qualify (n_sink >= 0).
 
     `newest` is `[]` or per row `[B]` (for `positions` `[B, ...]`)."""
-    return (positions >= n_sink) & (positions <= _per_row(newest, positions.ndim) - grace)
+    return (positions >= _knob(n_sink)) & (positions <= _per_row(newest, positions.ndim) - _knob(grace))
 
 
 def protected_argmin(
@@ -209,7 +217,7 @@ def accumulate(state: H2OState, weights: mx.array, config: H2OConfig,
     Rows where `alive` `[B]` is False keep their scores (padding decays nothing).
     """
     valid = state.positions >= 0
-    new = config.decay * state.scores + clean_weights(weights)
+    new = _knob(config.decay, mx.float32) * state.scores + clean_weights(weights)
     if alive is not None:
         new = mx.where(_per_row(alive), new, state.scores)
     return state._replace(scores=mx.where(valid, new, 0.0))
@@ -221,7 +229,7 @@ def evict(state: H2OState, config: H2OConfig, argmin: Argmin = protected_argmin)
     A state holds at most budget + 1 tokens (C slots), so one eviction always
     brings it down to budget. The freed slot keeps its stale key/value rows.
     """
-    over = state.length > config.budget  # [B]
+    over = state.length > _knob(config.budget)  # [B]
     slot = argmin(state.scores, state.positions, state.seen - 1, config.n_sink, config.grace)
     drop = (mx.arange(state.positions.shape[-1]) == slot[..., None]) & _per_row(over)
     return state._replace(
@@ -272,7 +280,8 @@ def step(
     if alive is not None:
         return settle(admitted, w[..., 0, :], config, argmin, alive)
     # proxy weights are exactly 0 on free slots and on the new token: no mask needed
-    return evict(admitted._replace(scores=config.decay * admitted.scores + w[..., 0, :]), config, argmin)
+    decayed = _knob(config.decay, mx.float32) * admitted.scores
+    return evict(admitted._replace(scores=decayed + w[..., 0, :]), config, argmin)
 
 
 @functools.lru_cache(maxsize=None)
@@ -301,6 +310,12 @@ def compiled_step(config: H2OConfig, argmin: Argmin = protected_argmin):
 def compiled_admit(config: H2OConfig):
     """`admit` for a fixed config under `mx.compile`: `fn(state, key, value)`."""
     return mx.compile(lambda state, key, value: admit(state, key, value, config))
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_settle(config: H2OConfig, argmin: Argmin = protected_argmin):
+    """`settle` for a fixed config under `mx.compile`: `fn(admitted, weights, alive=None)`."""
+    return mx.compile(lambda admitted, weights, alive=None: settle(admitted, weights, config, argmin, alive))
 
 
 @functools.lru_cache(maxsize=None)
@@ -472,9 +487,9 @@ def _decayed_sum(w: mx.array, decay: float, n_alive: Optional[mx.array]) -> mx.a
 
     n = N, or per row n_alive (padding rows of `w` are 0 already)."""
     N = w.shape[2]
-    last = mx.array(N - 1, dtype=mx.float32) if n_alive is None else _per_row(n_alive - 1, 2)
+    last = _knob(N - 1, mx.float32) if n_alive is None else _per_row(n_alive - 1, 2)
     exponent = mx.maximum(last - mx.arange(N, dtype=mx.float32), 0.0)  # [N] or [B, N]
-    powers = mx.power(mx.array(decay, dtype=mx.float32), _f32(exponent))
+    powers = mx.power(_knob(decay, mx.float32), _f32(exponent))
     powers = powers[:, None] if powers.ndim == 1 else powers[:, None, :, None]
     return (powers * w).sum(axis=2)
 
@@ -527,7 +542,7 @@ def pooled(scores: mx.array, positions: mx.array, pool: int) -> mx.array:
             lo, hi = (0, M) if shift > 0 else (-shift, M - shift)
             near_s = mx.pad(s, pad, constant_values=-mx.inf)[..., lo:hi]
             near_p = mx.pad(p, pad, constant_values=-INT32_MAX)[..., lo:hi]
-            best = mx.maximum(best, mx.where(mx.abs(near_p - p) <= r, near_s, -mx.inf))
+            best = mx.maximum(best, mx.where(mx.abs(near_p - p) <= _knob(r), near_s, -mx.inf))
     back = mx.take_along_axis(best, mx.argsort(order, axis=-1), axis=-1)
     return mx.where(positions >= 0, back, scores)
 
@@ -535,12 +550,12 @@ def pooled(scores: mx.array, positions: mx.array, pool: int) -> mx.array:
 def _absorb_oneshot(state, keys, values, config, weights, n_alive) -> H2OState:
     B, H, N, _ = keys.shape
     C = config.capacity
-    real = mx.full((B,), N, dtype=mx.int32) if n_alive is None else _as(n_alive, mx.int32)
+    real = mx.broadcast_to(_knob(N), (B,)) if n_alive is None else _as(n_alive, mx.int32)
     chunk_keys = stored_rows(keys, state.keys, config)
     w = _chunk_weights(state, keys, chunk_keys, config, weights, n_alive)
     long_chunk = N > config.window  # a prompt: scored by its last queries, ranked by spans
     if config.window and long_chunk:
-        w = mx.where(mx.arange(N)[:, None] >= (real - config.window)[:, None, None, None], w, 0.0)
+        w = mx.where(mx.arange(N)[:, None] >= (real - _knob(config.window))[:, None, None, None], w, 0.0)
     mass = _decayed_sum(w, config.decay, n_alive)  # [B, H, C + N]
     arange = mx.arange(N, dtype=mx.int32)
     chunk_positions = mx.where(arange < real[:, None], state.seen[:, None] + arange, -1)  # [B, N]
@@ -548,15 +563,18 @@ def _absorb_oneshot(state, keys, values, config, weights, n_alive) -> H2OState:
         [state.positions, mx.broadcast_to(chunk_positions[:, None], (B, H, N))], axis=-1
     )
     if n_alive is None:
-        faded = (config.decay ** N) * state.scores
+        faded = _knob(config.decay ** N, mx.float32) * state.scores
     else:
-        faded = state.scores * _per_row(mx.power(mx.array(config.decay, mx.float32), _f32(real)))
+        faded = state.scores * _per_row(mx.power(_knob(config.decay, mx.float32), _f32(real)))
     old = mx.concatenate([faded, mx.zeros((B, H, N))], axis=-1)
     scores = mx.where(positions >= 0, old + mass, 0.0)
     total = state.length + real
     newest = state.seen + real - 1
-    rank = pooled(scores, positions, config.pool) if config.pool > 1 and long_chunk else scores
-    gone = evict_lowest(rank, positions, total - config.budget, newest, config.n_sink, config.grace)
+    rank = scores
+    if config.pool > 1 and long_chunk:  # a row is long by its real tokens, not the padded N
+        rank = mx.where(_per_row(real > _knob(config.window)), pooled(scores, positions, config.pool), scores)
+    budget = _knob(config.budget)
+    gone = evict_lowest(rank, positions, total - budget, newest, config.n_sink, config.grace)
     keep = (positions >= 0) & ~gone
     order = mx.argsort(mx.where(keep, positions, INT32_MAX), axis=-1)[..., :C]  # survivors first
     kept = mx.take_along_axis(keep, order, axis=-1)
@@ -565,7 +583,7 @@ def _absorb_oneshot(state, keys, values, config, weights, n_alive) -> H2OState:
         values=storage.take(storage.concat(state.values, stored_rows(values, state.values, config)), order),
         scores=mx.where(kept, mx.take_along_axis(scores, order, axis=-1), 0.0),
         positions=mx.where(kept, mx.take_along_axis(positions, order, axis=-1), -1),
-        length=mx.minimum(total, config.budget).astype(mx.int32),
+        length=mx.minimum(total, budget).astype(mx.int32),
         seen=state.seen + real,
     )
 

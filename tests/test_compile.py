@@ -53,3 +53,20 @@ def test_oneshot_absorb_compiles_and_equals_eager():
         compiled = fast(compiled, chunk, chunk)
         for a, b in zip(eager, compiled):
             assert mx.array_equal(a, b)
+
+
+def test_configs_whose_numbers_run_together_get_their_own_kernels():
+    # mlx names a fused kernel after its literals' digits run together and caches it by
+    # that name (also on disk): n_sink=1, grace=10 and n_sink=11, grace=0 read the same.
+    # The core passes config numbers as computed scalars, so each config keeps its own.
+    k = tokens(24, B=1, H=1, D=8)
+    for cfg in (H2OConfig(budget=16, n_sink=11, grace=0, decay=0.5),
+                H2OConfig(budget=16, n_sink=1, grace=10, decay=0.5),
+                H2OConfig(budget=16, n_sink=2, grace=1, decay=0.9),
+                H2OConfig(budget=32, n_sink=21, grace=0, decay=0.9)):
+        eager = lazy = init(cfg, 1, 1, 8)
+        fast = compiled_step(cfg)
+        for t in range(24):
+            eager = step(eager, k[:, :, t : t + 1], k[:, :, t : t + 1], cfg)
+            lazy = fast(lazy, k[:, :, t : t + 1], k[:, :, t : t + 1])
+        assert eager.positions.tolist() == lazy.positions.tolist(), cfg

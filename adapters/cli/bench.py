@@ -362,9 +362,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192],
                         help="context lengths before decode (default 1024 4096 8192)")
     parser.add_argument("--steps", type=int, default=32,
-                        help="decode steps timed per row, after 8 untimed (mean; a multiple of --evict-every)")
-    parser.add_argument("--evict-every", type=int, nargs="*", default=[8],
-                        help="extra decode rows with H2O scoring decode tokens k at a time (default 8)")
+                        help="decode steps timed per row, after 8 untimed (mean; a multiple of each K of --evict-every-rows)")
+    parser.add_argument("--evict-every-rows", type=int, nargs="*", default=[8], metavar="K",
+                        help="extra decode rows with H2O scoring decode tokens K at a time (evict_every; "
+                        "default 8)")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size before decode")
     parser.add_argument("--prefill-tokens", type=int, default=4096, help="prompt length of prefill")
     parser.add_argument("--prefill-chunk", type=int, default=2048, help="mlx-lm's default prefill_step_size")
@@ -395,7 +396,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         with query_scoring(model):  # the hook lives for this command only
             if "decode" in args.what:
                 caches = caches_at(model, policy, args.budget, args.kv_bits, args.kv_group_size,
-                                   args.evict_every)
+                                   args.evict_every_rows)
                 results["decode"] = {
                     "budget": args.budget,
                     "chunk": args.chunk,
