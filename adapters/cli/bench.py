@@ -338,11 +338,7 @@ SECTIONS = ("update", "profile", "decode", "prefill")
 
 
 def markdown(results: dict) -> str:
-    out = [f"# Speed ({results['model']}, weights {results['weights']})", "", results["blas"], ""]
-    for key, render in RENDER.items():
-        if key in results:
-            out += render(results[key])
-    return "\n".join(out)
+    return common.report("Speed", results, RENDER)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

@@ -269,6 +269,16 @@ def start_run(command: str, argv: List[str], args) -> Tuple[Path, dict]:
     return out, header
 
 
+def report(kind: str, results: dict, render: dict) -> str:
+    """The markdown report of a run: a heading of `kind`, the BLAS line, then each section
+    of `results` that `render` (section name -> lines) knows, in `render`'s order."""
+    out = [f"# {kind} ({results['model']}, weights {results['weights']})", "", results["blas"], ""]
+    for key, lines in render.items():
+        if key in results:
+            out += lines(results[key])
+    return "\n".join(out)
+
+
 def section(title: str, columns: str, rows, command: Optional[str] = None, notes=()) -> List[str]:
     """A markdown section: heading, the command that produced it, notes, then a table.
 

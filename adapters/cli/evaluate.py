@@ -479,11 +479,7 @@ RENDER: Dict[str, Callable[[dict], List[str]]] = {
 
 
 def markdown(results: dict) -> str:
-    out = [f"# Quality ({results['model']}, weights {results['weights']})", "", results["blas"], ""]
-    for key, render in RENDER.items():
-        if key in results:
-            out += render(results[key])
-    return "\n".join(out)
+    return common.report("Quality", results, RENDER)
 
 
 def draw(results: dict, out: Path, what: List[str]) -> List[str]:

@@ -22,6 +22,14 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_kept(maps: Dict[str, List[List[int]]], path: Path) -> None:
     """One panel per title: row i is black where a position was kept after decode step i."""
     import numpy as np
@@ -37,9 +45,7 @@ def plot_kept(maps: Dict[str, List[List[int]]], path: Path) -> None:
         ax.set_xlabel("token position (black: kept)")
         ax.set_title(title, fontsize=9)
     axes[0][0].set_ylabel("decode step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_ppl(rows: List[dict], full_ppl: float, path: Path) -> None:
@@ -57,9 +63,7 @@ def plot_ppl(rows: List[dict], full_ppl: float, path: Path) -> None:
     ax.set_ylabel("streaming perplexity")
     ax.set_title("Perplexity vs budget (lower is better)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def pareto(points: Sequence[tuple]) -> List[int]:
@@ -103,9 +107,7 @@ def plot_frontier(rows: List[dict], path: Path) -> None:
     ax.set_ylabel("streaming perplexity")
     ax.set_title("Perplexity vs KV memory (lower left is better)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_budgets(budgets: Dict[str, List[int]], path: Path) -> None:
@@ -119,6 +121,4 @@ def plot_budgets(budgets: Dict[str, List[int]], path: Path) -> None:
     ax.set_yscale("log", base=2)
     ax.set_title("Per-layer budgets at equal bytes")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
