@@ -46,6 +46,17 @@ def _dense(model_type, **kw):
     return {**DENSE, "model_type": model_type, **kw}
 
 
+def _qwen3_5_text(model_type, **kw):
+    """Qwen3.5's text config: gated-delta linear attention in layers 0-2, full attention in 3."""
+    return dict(model_type=model_type, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=V, linear_num_value_heads=2, linear_num_key_heads=2,
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                full_attention_interval=4, rms_norm_eps=1e-6, head_dim=16,
+                rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                 "rope_type": "default"},
+                max_position_embeddings=1024, tie_word_embeddings=False, **kw)
+
+
 # Multi-head latent attention (DeepSeek V2/V3 style) with a tiny MoE.
 MLA = dict(
     kv_lora_rank=16,
@@ -549,14 +560,7 @@ ZOO = {
         quantization={"bits": 2, "group_size": 128, "mode": "affine"},
         modules=[{"path": "model.layers.3.mlp.down_proj", "embedding": False,
                   "dtype": "float16", "block": 512}],
-        text_config=dict(
-            model_type="qwen3_5_text", hidden_size=64, num_hidden_layers=4, intermediate_size=512,
-            num_attention_heads=4, num_key_value_heads=2, vocab_size=V, linear_num_value_heads=2,
-            linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-            linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6, head_dim=16,
-            rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                             "rope_type": "default"},
-            max_position_embeddings=1024, tie_word_embeddings=False))),
+        text_config=_qwen3_5_text("qwen3_5_text", intermediate_size=512))),
     "qwen": ("qwen", dict(
         model_type="qwen", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
         kv_channels=16, max_position_embeddings=1024, layer_norm_epsilon=1e-6,
@@ -573,24 +577,11 @@ ZOO = {
         "qwen3", head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True,
         rope_theta=1e6)),
     # qwen3_5: gated-delta linear attention in layers 0-2, full attention in layer 3
-    "qwen3_5": ("qwen3_5", dict(model_type="qwen3_5", text_config=dict(
-        model_type="qwen3_5_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=V, linear_num_value_heads=2,
-        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6, head_dim=16,
-        rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                         "rope_type": "default"},
-        max_position_embeddings=1024, tie_word_embeddings=False))),
-    "qwen3_5_moe": ("qwen3_5_moe", dict(model_type="qwen3_5_moe", text_config=dict(
-        model_type="qwen3_5_moe_text", hidden_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=V, linear_num_value_heads=2,
-        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6, head_dim=16,
-        num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=32,
-        moe_intermediate_size=32,
-        rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                         "rope_type": "default"},
-        max_position_embeddings=1024, tie_word_embeddings=False))),
+    "qwen3_5": ("qwen3_5", dict(model_type="qwen3_5",
+                                text_config=_qwen3_5_text("qwen3_5_text", intermediate_size=128))),
+    "qwen3_5_moe": ("qwen3_5_moe", dict(model_type="qwen3_5_moe", text_config=_qwen3_5_text(
+        "qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=32,
+        moe_intermediate_size=32))),
     "qwen3_moe": ("qwen3_moe", _dense(
         "qwen3_moe", head_dim=16, decoder_sparse_step=1, mlp_only_layers=[0],
         num_experts_per_tok=2, num_experts=4, moe_intermediate_size=32, rope_theta=1000.0,
