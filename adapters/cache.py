@@ -42,7 +42,7 @@ from h2o_fn.metal_ops import protected_argmin
 # (quality first, then speed): true-query scoring and oneshot prefill gave the lowest
 # streaming perplexity at every budget (oneshot is also the faster prefill); a prompt
 # longer than 48 tokens is compressed by its last 48 queries with spans of 15 kept
-# together, which took pass-key retrieval from 0.2 to 0.93 at budgets 128 and 256
+# together, which took pass-key retrieval from 0.33 to 0.93 at budgets 128 and 256
 # without changing streaming perplexity (chunks of 16 are not compressed that way).
 DEFAULT_CONFIG = H2OConfig(scoring="query", prefill="oneshot", window=48, pool=15)
 
@@ -164,11 +164,14 @@ class H2OKVCache(_BaseCache):
             self._pending = Pending(admitted, None, None, rows, None, staged=True)
         return view.view(admitted, rows)
 
+    def _staged_chunk(self):
+        """The staged decode tokens' keys and values `[B, H, j, D]`, as one chunk."""
+        return (mx.concatenate([k for k, _ in self._staged], axis=2),
+                mx.concatenate([v for _, v in self._staged], axis=2))
+
     def _unstaged(self):
         """(the state before staging, the staged tokens' keys and values as a chunk)."""
-        base = core.rewind(self._core, len(self._staged))
-        return (base, mx.concatenate([k for k, _ in self._staged], axis=2),
-                mx.concatenate([v for _, v in self._staged], axis=2))
+        return (core.rewind(self._core, len(self._staged)), *self._staged_chunk())
 
     def _flush(self) -> None:
         """Score and evict the staged decode tokens now (before a chunk, a save, a merge)."""
@@ -338,8 +341,7 @@ class H2OKVCache(_BaseCache):
         arrays = (None,) * 6 if self._core is None else tuple(self._core)
         staged = (None,) * 4
         if self._staged:
-            staged = (mx.concatenate([k for k, _ in self._staged], axis=2),
-                      mx.concatenate([v for _, v in self._staged], axis=2),
+            staged = (*self._staged_chunk(),
                       mx.concatenate(self._staged_w, axis=2) if self._staged_w else None,
                       self._staged_from)
         return (*arrays, *staged, self.meta_state)

@@ -35,26 +35,18 @@ __all__ = ["DEFAULT_CONFIG", "BatchH2OKVCache", "H2OCacheList", "H2OFollower", "
            "h2o_caches", "h2o_layer_count", "layer_configs", "make_h2o_cache", "use_h2o"]
 
 
+def _kv_per_layer(caches: Sequence[Any]) -> List[int]:
+    """Per H2O layer a cache list gets, the KV caches it holds: 1 for every plain `KVCache`,
+    n for a `CacheList` that holds n >= 1 (its first leads, the others follow)."""
+    counts = [1 if type(c) is KVCache else
+              sum(type(m) is KVCache for m in c.caches) if isinstance(c, mlx_cache.CacheList) else 0
+              for c in caches]
+    return [n for n in counts if n]
+
+
 def _leaders(caches: Sequence[Any]) -> int:
-    """H2O layers a cache list gets: every plain `KVCache`, and one per `CacheList` that
-    holds any (its first leads, the others follow)."""
-    return sum(type(c) is KVCache or (isinstance(c, mlx_cache.CacheList)
-                                      and any(type(m) is KVCache for m in c.caches)) for c in caches)
-
-
-def _followed_layers(caches: Sequence[Any]) -> List[int]:
-    """H2O layers (in `_leaders` order) whose CacheList holds more than one KV cache."""
-    out, i = [], 0
-    for c in caches:
-        if type(c) is KVCache:
-            i += 1
-        elif isinstance(c, mlx_cache.CacheList):
-            kv = sum(type(m) is KVCache for m in c.caches)
-            if kv:
-                if kv > 1:
-                    out.append(i)
-                i += 1
-    return out
+    """How many H2O layers a cache list gets."""
+    return len(_kv_per_layer(caches))
 
 
 def _build(model: nn.Module, configs: List[H2OConfig], argmin) -> List[Any]:
@@ -166,7 +158,8 @@ def layer_configs(model: nn.Module, config: Optional[H2OConfig] = None,
     if budgets is not None and len(budgets) != n:
         raise ValueError(f"budgets has {len(budgets)} entries: expected one per H2O layer ({n})")
     configs = [config] * n if budgets is None else [_at_budget(config, b, i) for i, b in enumerate(budgets)]
-    followed = [i for i in _followed_layers(_model_caches(model)) if configs[i].evict_every > 1]
+    followed = [i for i, kv in enumerate(_kv_per_layer(_model_caches(model)))
+                if kv > 1 and configs[i].evict_every > 1]
     if followed:  # followers re-lay their rows out after chunks, not after staged flushes
         warnings.warn(
             f"{type(model).__name__}: H2O layers {followed} hold several KV caches in lockstep, "

@@ -227,7 +227,8 @@ def evict(state: H2OState, config: H2OConfig, argmin: Argmin = protected_argmin)
     """Evict one token per (b, h) of every row that holds more than `budget` tokens.
 
     After `admit` a state holds at most budget + 1 tokens, so one eviction always
-    brings it down to budget (staged `evict_every` tokens are absorbed, not evicted here). The freed slot keeps its stale key/value rows.
+    brings it down to budget (staged `evict_every` tokens are absorbed, not evicted
+    here). The freed slot keeps its stale key/value rows.
     """
     over = state.length > _knob(config.budget)  # [B]
     slot = argmin(state.scores, state.positions, state.seen - 1, config.n_sink, config.grace)
