@@ -8,7 +8,8 @@ they do, never by their class:
 - a cache whose `wants_weights` is True gets the attention computed explicitly
   (same output as mlx-lm's fused or quantized path, within float tolerance) and its
   weights, averaged over the query heads that share each KV head (GQA), handed to
-  `cache.receive_weights(weights)`;
+  `cache.receive_weights(weights)` (a cache with `weights_reduce = "none"` gets every
+  query head's weights `[B, Hq, N, L]` and reduces them itself);
 - a cache with an `attention_mask(N, mask)` method may replace the mask mlx-lm built
   once per forward pass from layer 0 (layers whose kept rows differ from layer 0's);
 - every other cache falls through to the original function untouched.
@@ -119,7 +120,8 @@ def _hook(original, reduce: str):
             bits, group = getattr(cache, "bits", None), getattr(cache, "group_size", 64)
             k, v = dense_rows(keys, bits, group), dense_rows(values, bits, group)
             out, weights = attention_with_weights(queries, k, v, scale, mask, sinks)
-            cache.receive_weights(per_kv_head(weights, cache.kv_heads, reduce))
+            how = getattr(cache, "weights_reduce", reduce)  # "none": every query head's weights
+            cache.receive_weights(weights if how == "none" else per_kv_head(weights, cache.kv_heads, how))
             return out
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 

@@ -35,7 +35,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from h2o_fn import H2OConfig, H2OState, core, state_nbytes, storage, view
+from h2o_fn import H2OConfig, H2OState, core, retention, state_nbytes, storage, view
 from h2o_fn.metal_ops import protected_argmin
 
 # What make_h2o_cache and H2OKVCache use without a config, chosen from BENCHMARKS.md
@@ -393,6 +393,29 @@ class H2OKVCache(_BaseCache):
         return batch
 
     # ------------------------------------------------------------ what H2O adds
+
+    def compact(self) -> None:
+        """Lay the kept rows out first, sorted by position (`view.compact`); nothing kept
+        or scored changes. `cache_prompt` then reads the kept rows as one block."""
+        self._settle_all("compact")
+        if self._core is not None:
+            self._core = view.compact(self._core)
+
+    def absorb_scored(self, keys: mx.array, values: mx.array, scores: mx.array, rows: int) -> None:
+        """A chunk `[B, H, N, D]` scored by a prompt-scoring pass (`cache_prompt`), evicted
+        down to budget at once: `scores` `[B, H, rows + N]` over this cache's first `rows`
+        slots then the chunk (`retention.chunk_scores`, `core.absorb_scored`)."""
+        self._settle_all("absorb a scored chunk")
+        self._check(keys, values)
+        B, H, N, D = keys.shape
+        if self._core is None:
+            self._core = core.init(self.config, B, H, D, dtype=keys.dtype, value_dim=values.shape[3])
+            self._seen, self._lengths = [0] * B, [0] * B
+        scores = retention.chunk_scores(self._core, scores, rows)
+        self._core = core.absorb_scored(self._core, keys, values, scores, self.config)
+        self._seen = [s + N for s in self._seen]
+        self._lengths = [min(k + N, self.config.budget) for k in self._lengths]
+        self._view = None
 
     @property
     def tokens_kept(self) -> int:

@@ -19,6 +19,7 @@ Example:
 from .config import H2OConfig
 from .core import (
     absorb,
+    absorb_scored,
     accumulate,
     admit,
     compiled_absorb,
@@ -44,6 +45,7 @@ __all__ = [
     "H2OConfig",
     "H2OState",
     "absorb",
+    "absorb_scored",
     "accumulate",
     "admit",
     "assert_invariants",

@@ -550,7 +550,6 @@ def pooled(scores: mx.array, positions: mx.array, pool: int) -> mx.array:
 
 def _absorb_oneshot(state, keys, values, config, weights, n_alive) -> H2OState:
     B, H, N, _ = keys.shape
-    C = config.capacity
     real = mx.broadcast_to(_knob(N), (B,)) if n_alive is None else _as(n_alive, mx.int32)
     chunk_keys = stored_rows(keys, state.keys, config)
     w = _chunk_weights(state, keys, chunk_keys, config, weights, n_alive)
@@ -558,22 +557,36 @@ def _absorb_oneshot(state, keys, values, config, weights, n_alive) -> H2OState:
     if config.window and long_chunk:
         w = mx.where(mx.arange(N)[:, None] >= (real - _knob(config.window))[:, None, None, None], w, 0.0)
     mass = _decayed_sum(w, config.decay, n_alive)  # [B, H, C + N]
+    if n_alive is None:
+        faded = _knob(config.decay ** N, mx.float32) * state.scores
+    else:
+        faded = state.scores * _per_row(mx.power(_knob(config.decay, mx.float32), _f32(real)))
+    scores = mass + mx.concatenate([faded, mx.zeros((B, H, N))], axis=-1)
+    pool = None
+    if config.pool > 1 and long_chunk:  # a row is long by its real tokens, not the padded N
+        pool = real > _knob(config.window)
+    return _keep_best(state, chunk_keys, stored_rows(values, state.values, config), scores, real, pool, config)
+
+
+def _keep_best(state, chunk_keys, chunk_values, scores, real, pool, config) -> H2OState:
+    """Admit a chunk (stored rows `[B, H, N, D]`, the first `real[b]` real) with `scores`
+    `[B, H, C + N]` (slots, then chunk tokens), evict the lowest (score, position)
+    unprotected down to budget, and store the survivors first, sorted by position.
+    `pool` `[B]` bool: rows whose ranking takes the best score within +-pool//2 positions
+    (None: no row)."""
+    B, H, N = scores.shape[0], scores.shape[1], scores.shape[2] - state.positions.shape[-1]
+    C = config.capacity
     arange = mx.arange(N, dtype=mx.int32)
     chunk_positions = mx.where(arange < real[:, None], state.seen[:, None] + arange, -1)  # [B, N]
     positions = mx.concatenate(
         [state.positions, mx.broadcast_to(chunk_positions[:, None], (B, H, N))], axis=-1
     )
-    if n_alive is None:
-        faded = _knob(config.decay ** N, mx.float32) * state.scores
-    else:
-        faded = state.scores * _per_row(mx.power(_knob(config.decay, mx.float32), _f32(real)))
-    old = mx.concatenate([faded, mx.zeros((B, H, N))], axis=-1)
-    scores = mx.where(positions >= 0, old + mass, 0.0)
+    scores = mx.where(positions >= 0, scores, 0.0)
     total = state.length + real
     newest = state.seen + real - 1
     rank = scores
-    if config.pool > 1 and long_chunk:  # a row is long by its real tokens, not the padded N
-        rank = mx.where(_per_row(real > _knob(config.window)), pooled(scores, positions, config.pool), scores)
+    if pool is not None:
+        rank = mx.where(_per_row(pool), pooled(scores, positions, config.pool), scores)
     budget = _knob(config.budget)
     gone = evict_lowest(rank, positions, total - budget, newest, config.n_sink, config.grace)
     keep = (positions >= 0) & ~gone
@@ -581,12 +594,48 @@ def _absorb_oneshot(state, keys, values, config, weights, n_alive) -> H2OState:
     kept = mx.take_along_axis(keep, order, axis=-1)
     return H2OState(
         keys=storage.take(storage.concat(state.keys, chunk_keys), order),
-        values=storage.take(storage.concat(state.values, stored_rows(values, state.values, config)), order),
+        values=storage.take(storage.concat(state.values, chunk_values), order),
         scores=mx.where(kept, mx.take_along_axis(scores, order, axis=-1), 0.0),
         positions=mx.where(kept, mx.take_along_axis(positions, order, axis=-1), -1),
         length=mx.minimum(total, budget).astype(mx.int32),
         seen=state.seen + real,
     )
+
+
+def absorb_scored(state: H2OState, keys: mx.array, values: mx.array, scores: mx.array,
+                  config: H2OConfig) -> H2OState:
+    """Absorb a chunk `[B, H, N, D]` whose scores come from elsewhere (a prompt-scoring
+    pass such as `h2o_fn.retention`), then evict down to budget by the usual rule.
+
+    Args:
+      scores: `[B, H, C + N]` float32: column j < C is the new score of the token in slot
+        j of `state` (ignored where the slot is free), column C + i that of chunk token i.
+        Sanitised like weights (NaN, inf and negatives count as 0); nothing is decayed.
+
+    The lowest (score, position) unprotected tokens are evicted (sinks and the grace
+    window before the chunk's last position are protected; with `config.pool > 1` the
+    ranking takes the best score within +-pool//2 positions), and the survivors are
+    stored first, sorted by position. `config.scoring`, `prefill` and `window` do not
+    apply: the scores are given.
+
+    Example:
+        >>> import mlx.core as mx
+        >>> from h2o_fn import H2OConfig, init, absorb_scored, kept_positions
+        >>> cfg = H2OConfig(budget=3, n_sink=1, grace=1)
+        >>> kv = mx.zeros((1, 1, 6, 4))
+        >>> s = mx.array([[[0.0] * cfg.capacity + [0.0, 0.1, 0.9, 0.2, 0.3, 0.0]]])
+        >>> kept_positions(absorb_scored(init(cfg, 1, 1, 4), kv, kv, s, cfg))[0, 0].tolist()
+        [0, 2, 5, -1]
+    """
+    N = _check_chunk(state, keys, values, config)
+    expected = (*keys.shape[:2], state.positions.shape[-1] + N)
+    if tuple(scores.shape) != expected:
+        raise ValueError(f"scores shape {tuple(scores.shape)} is invalid: expected {expected} "
+                         "(the state's slots, then the chunk's tokens)")
+    real = mx.broadcast_to(_knob(N), (keys.shape[0],))
+    pool = mx.broadcast_to(mx.array(True), (keys.shape[0],)) if config.pool > 1 else None
+    return _keep_best(state, stored_rows(keys, state.keys, config), stored_rows(values, state.values, config),
+                      clean_weights(scores), real, pool, config)
 
 
 def _absorb_greedy(state, keys, values, config, weights, argmin, n_alive, N) -> H2OState:

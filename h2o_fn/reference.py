@@ -1,7 +1,7 @@
 """The executable spec: H2O per head in plain NumPy, float64, one loop per token.
 
 Same names as `h2o_fn.core` (`init`, `admit`, `accumulate`, `evict`, `settle`, `step`,
-`absorb`, `rewind`, `kept_positions`, `key_weights`), written for obviousness, not
+`absorb`, `absorb_scored`, `rewind`, `kept_positions`, `key_weights`), written for obviousness, not
 speed. A head is a list of `Token`s; there are no slots. Tie rule, stated once:
 evict the unprotected token with the lowest score, and among equal scores the
 lowest position (NaN scores count as -inf). The core keeps float32 scores: where
@@ -205,16 +205,69 @@ def _oneshot_head(head, keys, values, seen, config, weights):
             w = [clean(weights[i, t.position]) for t in seen_by_i]
         for t, wj in zip(seen_by_i, w):
             t.score += config.decay ** (N - 1 - i) * wj
-    newest = seen + N - 1
+    r = config.pool // 2 if N > config.window else 0  # pooling ranks long chunks only
+    return _keep_best(everyone, seen + N - 1, r, config)
+
+
+def _keep_best(everyone: List[Token], newest: int, r: int, config) -> List[Token]:
+    """Evict the lowest (rank, position) unprotected tokens down to budget, all at once;
+    a token's rank is the best score within r positions of it."""
     k = len(everyone) - config.budget
     if k <= 0:
         return everyone
-    r = config.pool // 2 if N > config.window else 0  # pooling ranks long chunks only
     rank = {id(t): max(u.score for u in everyone if abs(u.position - t.position) <= r) for t in everyone}
     candidates = sorted((t for t in everyone if not _protected(t, newest, config)),
                         key=lambda t: (rank[id(t)], t.position))
     gone = {id(t) for t in candidates[:k]}
     return [t for t in everyone if id(t) not in gone]
+
+
+def absorb_scored(state: RefState, keys, values, scores, config) -> RefState:
+    """N tokens `[B, H, N, D]` whose scores are given: `scores[b, h, p]` is the new score of
+    row b's token at position p (kept or in the chunk); then evict down to budget."""
+    keys, values = np.asarray(keys, np.float64), np.asarray(values, np.float64)
+    scores = np.asarray(scores, np.float64)
+    state = _copy(state)
+    B, H, N, _ = keys.shape
+    for b in range(B):
+        seen = state.seen[b]
+        for h in range(H):
+            everyone = state.heads[b][h] + [Token(seen + i, keys[b, h, i], values[b, h, i]) for i in range(N)]
+            for t in everyone:
+                t.score = clean(scores[b, h, t.position])
+            state.heads[b][h] = _keep_best(everyone, seen + N - 1, config.pool // 2, config)
+        state.seen[b] += N
+    return state
+
+
+def aggregate(weights, kv_heads: int) -> np.ndarray:
+    """`[B, Hq, N, L]` -> `[B, H, L]`: per key, the largest weight of any query of any query
+    head q with q // (Hq / H) == h."""
+    weights = np.asarray(weights, np.float64)
+    B, Hq, N, L = weights.shape
+    rep = Hq // kv_heads
+    out = np.zeros((B, kv_heads, L))
+    for b in range(B):
+        for h in range(kv_heads):
+            for j in range(L):
+                out[b, h, j] = max(weights[b, q, i, j] for q in range(h * rep, (h + 1) * rep) for i in range(N))
+    return out
+
+
+def chunk_scores(state: RefState, scores, rows=None) -> List[List[dict]]:
+    """New scores by position per (b, h): `scores[b, h, p]` for the chunk's positions
+    (p >= seen[b]), max(old score, scores[b, h, p]) for a kept token at position p."""
+    del rows
+    scores = np.asarray(scores, np.float64)
+    out = []
+    for b, row in enumerate(state.heads):
+        per_head = []
+        for h, head in enumerate(row):
+            new = {p: float(scores[b, h, p]) for p in range(state.seen[b], scores.shape[-1])}
+            new.update({t.position: max(t.score, float(scores[b, h, t.position])) for t in head})
+            per_head.append(new)
+        out.append(per_head)
+    return out
 
 
 def rewind(state: RefState, n: int) -> RefState:

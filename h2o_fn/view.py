@@ -35,7 +35,7 @@ import mlx.core as mx
 
 from . import storage
 from .config import H2OConfig
-from .core import admit, stored_rows
+from .core import INT32_MAX, admit, stored_rows
 from .state import H2OState
 
 
@@ -63,6 +63,27 @@ def chunk_view(state: H2OState, keys: mx.array, values: mx.array, config: H2OCon
         return k, v
     return (storage.concat(k, stored_rows(keys[:, :, 1:], state.keys, config)),
             storage.concat(v, stored_rows(values[:, :, 1:], state.values, config)))
+
+
+def compact(state: H2OState) -> H2OState:
+    """The same state with every row's kept tokens in its first `length[b]` slots, sorted by
+    position (free slots after them): what oneshot prefill leaves, and what decode evictions
+    scatter. Nothing kept, scored or counted changes.
+
+    Example:
+        >>> import mlx.core as mx
+        >>> from h2o_fn import H2OConfig, init
+        >>> s = init(H2OConfig(budget=3, n_sink=0, grace=0), 1, 1, 2)
+        >>> s = s._replace(positions=mx.array([[[5, -1, 2, 7]]], dtype=mx.int32))
+        >>> compact(s).positions.tolist()
+        [[[2, 5, 7, -1]]]
+    """
+    order = mx.argsort(mx.where(state.positions >= 0, state.positions, INT32_MAX), axis=-1)
+    return state._replace(
+        keys=storage.take(state.keys, order), values=storage.take(state.values, order),
+        scores=mx.take_along_axis(state.scores, order, axis=-1),
+        positions=mx.take_along_axis(state.positions, order, axis=-1),
+    )
 
 
 def view_weights(state: H2OState, weights: mx.array, rows: int) -> mx.array:

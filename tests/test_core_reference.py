@@ -195,6 +195,18 @@ def twin_absorb(data, cfg):
             ref.absorb(r, as_stored(k, cfg), as_stored(v, cfg), cfg, rw, n_alive=n_alive))
 
 
+def twin_absorb_scored(data, cfg):
+    shape, s, r = _prefix(data, cfg)
+    n = data.draw(st.integers(1, 2 * cfg.budget + 2))
+    k, v, w = _token(data, shape, n)
+    by_position = w[:, :, 0]  # [B, H, P]: the given score of each row's token at position p
+    seen = np.array(s.seen)[:, None, None]
+    chunk = np.take_along_axis(by_position, seen + np.arange(n), axis=-1)
+    scores = mx.concatenate([_slot_weights(s, by_position), mx.array(chunk)], axis=-1)
+    return (h2o_fn.absorb_scored(s, mx.array(k), mx.array(v), scores, cfg),
+            ref.absorb_scored(r, as_stored(k, cfg), as_stored(v, cfg), by_position, cfg))
+
+
 def twin_rewind(data, cfg):
     big = cfg._replace(budget=64)  # rewinding is exact only before any eviction
     shape, s, r = _prefix(data, big, max_len=big.budget)

@@ -1,0 +1,153 @@
+"""cache_prompt: compress a prompt so that questions it never saw still find their answer.
+
+The prompt (a document, a system prompt, a conversation so far) is read chunk by chunk.
+For each chunk every layer holds its kept rows plus the chunk, nothing evicted, while
+the model makes two passes:
+
+1. the chunk itself (its keys and values, attending to the kept rows and itself);
+2. a repeat pass: an optional instruction (`repeat_prefix`, e.g. "Repeat the previous
+   context") and the chunk again, teacher-forced. Its attention weights over the kept
+   rows and the chunk are collected explicitly (the attention hook) and scored by
+   `h2o_fn.retention` (KVzip's rule: the largest weight any repeat query pays a key).
+   The repeat tokens' own keys and values are thrown away.
+
+Then each H2O layer absorbs the chunk with those scores (`core.absorb_scored`) and is
+back at its budget. Peak KV memory: budget + one chunk + its repeat, per layer,
+whatever the prompt's length. Layers that are not H2O (sliding-window caches) take the
+chunk as usual and read the repeat pass through a throwaway copy.
+
+Example:
+    >>> from h2o_fn import H2OConfig                                               # doctest: +SKIP
+    >>> from h2o_fn.adapters.gguf import load_gguf
+    >>> from h2o_fn.adapters.mlx_lm import cache_prompt, make_h2o_cache
+    >>> model, tokenizer = load_gguf()
+    >>> cache = make_h2o_cache(model, H2OConfig(budget=128))
+    >>> cache_prompt(model, tokenizer.encode(document), cache)   # at most 128 tokens per head
+    >>> mlx_lm.generate(model, tokenizer, question, prompt_cache=cache)
+"""
+
+import copy
+from typing import Any, List, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models.base import create_causal_mask
+
+from h2o_fn import retention, storage
+
+from .attention import query_scoring
+from .cache import H2OKVCache
+
+# what the repeat pass is told before the chunk is read again (KVzip's instruction, shortened)
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
+CHUNK = 512  # prompt tokens read (and scored) per chunk
+
+
+class ScoringPass:
+    """One H2O layer's cache during `cache_prompt`'s two passes over a chunk: the kept
+    rows `[B, H, K, D]` (dense, sorted by position), then the chunk, then the repeat
+    tokens; nothing is evicted. The second pass asks for its attention weights (the
+    hook's protocol) and turns them into `scores` `[B, H, K + N]`."""
+
+    weights_reduce = "none"  # the hook hands the weights of every query head: KVzip takes the max
+
+    def __init__(self, cache: H2OKVCache):
+        self.cache = cache
+        cache.compact()
+        state, cfg = cache.core_state, cache.config
+        self.rows = cache.tokens_kept  # the kept rows are the first `rows` slots
+        self.offset = cache.tokens_seen
+        self.kept = None
+        if state is not None and self.rows:
+            self.kept = tuple(storage.dense(storage.head(s, self.rows), cfg.kv_bits, cfg.kv_group_size)
+                              for s in (state.keys, state.values))
+        self.chunk = None  # (keys, values) of pass 1, [B, H, N, D]
+        self.scores = None  # [B, H, rows + N] after pass 2
+        self.wants_weights = False
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        parts = [p for p in (self.kept, self.chunk) if p is not None]
+        if self.chunk is None:
+            self.chunk = (keys, values)
+        else:
+            self.wants_weights = True
+        self.offset += keys.shape[2]
+        parts.append((keys, values))
+        return tuple(mx.concatenate([p[i] for p in parts], axis=2) if len(parts) > 1 else parts[0][i]
+                     for i in range(2))
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        del window_size
+        if N == 1:
+            return None
+        held = self.rows + (0 if self.chunk is None else self.chunk[0].shape[2])
+        return create_causal_mask(N, offset=held) if return_array else "causal"
+
+    @property
+    def kv_heads(self) -> int:
+        return self.chunk[0].shape[1]
+
+    def can_take(self, keys) -> bool:
+        return self.wants_weights and keys.shape[1] == self.kv_heads
+
+    def receive_weights(self, weights: mx.array) -> None:
+        """The repeat pass's weights `[B, Hq, N, L]` over kept rows, chunk and repeat tokens."""
+        context = self.rows + self.chunk[0].shape[2]
+        self.scores = retention.aggregate(weights[..., :context], self.kv_heads)
+        self.wants_weights = False
+
+    def absorb(self) -> None:
+        """The chunk into the H2O cache with the scores of the repeat pass."""
+        if self.scores is None:
+            raise RuntimeError("the repeat pass never handed its attention weights to this layer: "
+                               "its attention does not go through mlx_lm's scaled_dot_product_attention")
+        self.cache.absorb_scored(*self.chunk, self.scores, self.rows)
+
+
+def _layers(cache: Sequence[Any]) -> List[Any]:
+    bad = [type(c).__name__ for c in cache if isinstance(c, mlx_cache.CacheList)]
+    if bad:
+        raise ValueError(f"cache_prompt got layers of {sorted(set(bad))}: expected one cache per layer "
+                         "(layers holding several KV caches in lockstep are not supported yet)")
+    if not any(isinstance(c, H2OKVCache) for c in cache):
+        raise ValueError("cache_prompt got no H2OKVCache layer: build the cache with make_h2o_cache(model, config)")
+    return list(cache)
+
+
+def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], *,
+                 repeat_prefix: Sequence[int] = (), chunk_size: int = CHUNK) -> List[Any]:
+    """Feed `prompt_ids` into `cache` (from `make_h2o_cache`) scored for questions not yet
+    asked: afterwards every H2O layer and head holds at most its budget.
+
+    Args:
+      prompt_ids: the prompt's token ids (one sequence). A cache that already holds tokens
+        is continued: the prompt follows them, and kept tokens can lose their place to it.
+      repeat_prefix: token ids read before each chunk's repeat (the instruction, e.g.
+        `tokenizer.encode(REPEAT_PROMPT)`); empty: the chunk is simply read again.
+      chunk_size: prompt tokens per chunk; peak KV memory is budget + 2 * chunk + prefix.
+
+    Returns `cache`, for chaining. Costs about two prefills (the repeat pass attends over
+    budget + chunk rows and materialises its weights, `[Hq, chunk, budget + 2 chunk]` per layer).
+    """
+    ids = [int(t) for t in prompt_ids]
+    if not ids:
+        raise ValueError("prompt_ids is empty: expected at least one token")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} is invalid: expected >= 1")
+    layers = _layers(cache)
+    prefix = [int(t) for t in repeat_prefix]
+    with query_scoring(model):
+        for start in range(0, len(ids), chunk_size):
+            chunk = ids[start : start + chunk_size]
+            probes = [ScoringPass(c) if isinstance(c, H2OKVCache) else c for c in layers]
+            model(mx.array(chunk)[None], cache=probes)
+            mx.eval([p.chunk for p in probes if isinstance(p, ScoringPass)],
+                    [c.state for c in layers if not isinstance(c, H2OKVCache)])
+            scratch = [p if isinstance(p, ScoringPass) else copy.deepcopy(p) for p in probes]
+            model(mx.array(prefix + chunk)[None], cache=scratch)
+            scoring = [p for p in probes if isinstance(p, ScoringPass)]
+            for p in scoring:
+                p.absorb()
+            mx.eval([c.state for c in layers])
+    return cache

@@ -1,0 +1,60 @@
+"""Query-agnostic retention: scores for a prompt whose questions have not been asked yet.
+
+A prompt cached once (a document, a system prompt, a conversation so far) must answer
+questions that arrive after it was compressed, so the questions cannot score it. The
+rule here is KVzip's (Kim et al., 2025, arXiv:2505.23416): after a chunk of the prompt
+is read, the model reads it a second time ("repeat the context") and every key is
+scored by the largest attention that any query of that repeat pass, on any query head
+sharing its KV head, pays to it. What the model needs to reproduce the context is what
+a later question can ask for; a pass key gets the attention of the digits that copy it.
+
+The model passes live in the adapter (`h2o_fn.adapters.retention`); this module holds
+the pure parts, with twins of the same names in `h2o_fn.reference`:
+
+- `aggregate`: the repeat pass's weights `[B, Hq, N, L]` -> one score per key `[B, H, L]`;
+- `chunk_scores`: those scores over (kept rows, chunk) -> the core's `[B, H, C + N]`
+  layout for `absorb_scored`, raising each kept token's score to its new one (max).
+
+Example:
+    >>> import mlx.core as mx
+    >>> from h2o_fn import H2OConfig, init, absorb_scored, kept_positions
+    >>> from h2o_fn.retention import aggregate, chunk_scores
+    >>> cfg = H2OConfig(budget=3, n_sink=1, grace=1)
+    >>> w = mx.array([[[[0.5, 0.125, 0.25, 0.125, 0.0], [0.25, 0.0, 0.0, 0.125, 0.5]]]] * 2).reshape(1, 2, 2, 5)
+    >>> s = aggregate(w, kv_heads=1)            # [1, 1, 5]: max over queries and query heads
+    >>> s.tolist()
+    [[[0.5, 0.125, 0.25, 0.125, 0.5]]]
+    >>> state = init(cfg, 1, 1, 4)
+    >>> kv = mx.zeros((1, 1, 5, 4))
+    >>> kept_positions(absorb_scored(state, kv, kv, chunk_scores(state, s, rows=0), cfg))[0, 0].tolist()
+    [0, 2, 4, -1]
+"""
+
+import mlx.core as mx
+
+from .state import H2OState
+
+
+def aggregate(weights: mx.array, kv_heads: int) -> mx.array:
+    """Attention weights `[B, Hq, N, L]` of a scoring pass -> `[B, H, L]` float32: each key's
+    largest weight over the N queries and the Hq / H query heads that share its KV head
+    (query head q reads KV head q // (Hq / H), mlx-lm's GQA layout)."""
+    B, Hq, N, L = weights.shape
+    if Hq % kv_heads:
+        raise ValueError(f"{Hq} query heads is invalid for kv_heads={kv_heads}: expected a multiple")
+    w = weights.astype(mx.float32).reshape(B, kv_heads, (Hq // kv_heads) * N, L)
+    return mx.max(w, axis=2)
+
+
+def chunk_scores(state: H2OState, scores: mx.array, rows: int) -> mx.array:
+    """Scores `[B, H, rows + N]` over a scoring view (the state's first `rows` slots, then
+    the N chunk tokens) -> `[B, H, C + N]` for `absorb_scored(state, ...)`: a kept token
+    keeps the larger of its score and its new one; free slots and slots past `rows` keep
+    their score (free slots are ignored by `absorb_scored`)."""
+    C = state.positions.shape[-1]
+    if rows > C or scores.shape[-1] < rows:
+        raise ValueError(f"rows={rows} is invalid for scores {tuple(scores.shape)} over {C} slots: "
+                         "expected rows <= C and rows <= L")
+    on_slots = mx.pad(scores[..., :rows], [(0, 0), (0, 0), (0, C - rows)])
+    slots = mx.where(state.positions >= 0, mx.maximum(state.scores, on_slots), state.scores)
+    return mx.concatenate([slots, scores[..., rows:].astype(mx.float32)], axis=-1)

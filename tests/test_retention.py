@@ -1,0 +1,198 @@
+"""Query-agnostic retention: the pure rules (`h2o_fn.retention`, `view.compact`) against
+their reference twins, and `cache_prompt` (the adapter's two passes) on tiny models."""
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+from h2o_fn import H2OConfig, absorb_scored, assert_invariants, init, kept_positions, step
+from h2o_fn import reference as ref
+from h2o_fn import retention, view
+from h2o_fn.adapters.attention import remove_query_hook
+from h2o_fn.adapters.mlx_lm import H2OKVCache, cache_prompt, h2o_caches, make_h2o_cache
+
+from helpers import assert_matches
+from tiny_models import tiny_model
+
+
+@settings(max_examples=50)
+@given(st.integers(1, 2), st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3)]), st.integers(1, 5),
+       st.integers(1, 7), st.integers(0, 2**31 - 1))
+def test_aggregate_equals_its_reference_twin(B, heads, N, L, seed):
+    Hq, H = heads
+    w = np.random.default_rng(seed).random((B, Hq, N, L)).astype(np.float32)
+    got = retention.aggregate(mx.array(w), H)
+    assert got.shape == (B, H, L) and got.dtype == mx.float32
+    np.testing.assert_allclose(np.array(got), ref.aggregate(w, H), rtol=0, atol=0)
+
+
+def test_aggregate_rejects_a_head_count_that_does_not_divide():
+    with pytest.raises(ValueError, match="3 query heads is invalid for kv_heads=2"):
+        retention.aggregate(mx.zeros((1, 3, 2, 4)), 2)
+
+
+def _scored_states(data, cfg):
+    """A core state and its twin after one or two scored chunks, plus the rng."""
+    B, H, D = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2)), 4
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
+    s, r = init(cfg, B, H, D, dtype=mx.float32), ref.init(cfg, B, H, D)
+    for _ in range(data.draw(st.integers(1, 2))):
+        s, r = _absorb_both(s, r, rng, data.draw(st.integers(1, 2 * cfg.budget)), cfg)
+    return s, r, rng
+
+
+def _absorb_both(s, r, rng, n, cfg):
+    """One chunk of n random tokens scored by random weights, through the core (compact,
+    chunk_scores, absorb_scored) and through the reference twins."""
+    B, H, C = s.positions.shape
+    k = rng.standard_normal((B, H, n, 4)).astype(np.float32)
+    by_position = rng.random((B, H, int(max(s.seen.tolist())) + n)).astype(np.float32)
+    s = view.compact(s)
+    rows = int(mx.max(s.length).item())
+    pos = np.array(s.positions[..., :rows])
+    on_slots = np.where(pos >= 0, np.take_along_axis(by_position, np.maximum(pos, 0), -1), 0)
+    seen = np.array(s.seen)[:, None, None]
+    on_chunk = np.take_along_axis(by_position, seen + np.arange(n), -1)
+    scores = mx.array(np.concatenate([on_slots, on_chunk], -1).astype(np.float32))
+    got = retention.chunk_scores(s, scores, rows)
+    want = ref.chunk_scores(r, by_position)
+    for b in range(B):
+        for h in range(H):
+            for j, p in enumerate(np.array(s.positions[b, h]).tolist()):
+                if p >= 0:
+                    assert got[b, h, j].item() == pytest.approx(want[b][h][p], rel=1e-6)
+            for i in range(n):
+                assert got[b, h, C + i].item() == pytest.approx(want[b][h][int(seen[b, 0, 0]) + i], rel=1e-6)
+    merged = np.zeros_like(by_position)
+    for b in range(B):
+        for h in range(H):
+            for p, v in want[b][h].items():
+                merged[b, h, p] = v
+    return (absorb_scored(s, mx.array(k), mx.array(k), got, cfg),
+            ref.absorb_scored(r, k, k, merged, cfg))
+
+
+@settings(max_examples=60)
+@given(st.data())
+def test_chunk_scores_then_absorb_scored_equal_the_reference(data):
+    cfg = H2OConfig(budget=data.draw(st.integers(4, 8)), n_sink=data.draw(st.integers(0, 1)),
+                    grace=data.draw(st.integers(0, 2)), pool=data.draw(st.sampled_from([1, 3])))
+    s, r, _ = _scored_states(data, cfg)
+    assert_invariants(s, cfg)
+    assert_matches(s, r, where=str(cfg), config=cfg)
+
+
+@settings(max_examples=40)
+@given(st.data())
+def test_compact_keeps_everything_and_sorts_the_kept_first(data):
+    """Token-by-token eviction leaves survivors in slot order of arrival: compact lays
+    them out first, sorted by position, and changes nothing else."""
+    cfg = H2OConfig(budget=data.draw(st.integers(3, 8)), n_sink=1, grace=1)
+    B, H = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
+    s = init(cfg, B, H, 4, dtype=mx.float32)
+    for _ in range(data.draw(st.integers(0, 3 * cfg.budget))):
+        kv = mx.array(rng.standard_normal((B, H, 1, 4)).astype(np.float32))
+        s = step(s, kv, kv, cfg)
+    c = view.compact(s)
+    assert_invariants(c, cfg)
+    for b in range(B):
+        for h in range(H):
+            slots = [(p, float(sc)) for p, sc in zip(np.array(s.positions[b, h]).tolist(),
+                                                     np.array(s.scores[b, h]).tolist()) if p >= 0]
+            after = list(zip(np.array(c.positions[b, h]).tolist(), np.array(c.scores[b, h]).tolist()))
+            assert after[: len(slots)] == sorted(slots) and all(p < 0 for p, _ in after[len(slots):])
+            order = np.argsort(np.where(np.array(s.positions[b, h]) >= 0, np.array(s.positions[b, h]), 1 << 30),
+                               kind="stable")
+            assert np.array_equal(np.array(c.keys[b, h]), np.array(s.keys[b, h])[order])
+
+
+def test_chunk_scores_rejects_more_rows_than_slots():
+    s = init(H2OConfig(budget=2, n_sink=0, grace=0), 1, 1, 4)
+    with pytest.raises(ValueError, match="rows=9 is invalid"):
+        retention.chunk_scores(s, mx.zeros((1, 1, 12)), 9)
+
+
+# ---------------------------------------------------------------- cache_prompt on tiny models
+
+PROMPT = np.random.default_rng(1).integers(0, 101, 40).tolist()
+
+
+@pytest.fixture
+def llama():
+    model = tiny_model("llama")
+    yield model
+    remove_query_hook(model)
+
+
+def _next_logits(model, cache, ids):
+    return model(mx.array(ids)[None], cache=cache)[:, -1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_prompt_within_budget_gives_the_full_cache_logits(arch):
+    """Nothing evicted: the repeat pass leaves no trace (its rows and sliding-window
+    updates are thrown away), so the next token is the full cache's."""
+    model = tiny_model(arch)
+    try:
+        full = make_prompt_cache(model)
+        want = _next_logits(model, full, PROMPT + [7])
+        cache = make_h2o_cache(model, H2OConfig(budget=64, n_sink=1, grace=2))
+        cache_prompt(model, PROMPT, cache, repeat_prefix=[3, 4], chunk_size=16)
+        assert all(c.tokens_kept == c.tokens_seen == len(PROMPT) for c in h2o_caches(cache))
+        assert all(c.offset == len(PROMPT) for c in cache)
+        assert mx.allclose(_next_logits(model, cache, [7]), want, atol=1e-4, rtol=1e-4)
+        if arch == "gemma3":
+            assert [type(c) for c in cache] == [RotatingKVCache, RotatingKVCache, H2OKVCache]
+    finally:
+        remove_query_hook(model)
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_a_long_prompt_is_held_to_budget_in_every_layer(llama, chunk):
+    cfg = H2OConfig(budget=12, n_sink=1, grace=2, pool=3)
+    cache = make_h2o_cache(llama, cfg)
+    assert cache_prompt(llama, PROMPT, cache, chunk_size=chunk) is cache
+    for c in cache:
+        assert c.tokens_seen == len(PROMPT) and c.tokens_kept == cfg.budget
+        assert_invariants(c.core_state, cfg)
+        kept = np.array(kept_positions(c.core_state))
+        assert kept.max() == len(PROMPT) - 1 and 0 in kept[0, 0]  # the sink and the grace window
+    logits = _next_logits(llama, cache, [5, 6])  # and the cache decodes on
+    assert logits.shape == (1, 101) and all(c.tokens_kept == cfg.budget for c in cache)
+
+
+def test_continuing_a_cache_and_copies_per_question(llama):
+    cfg = H2OConfig(budget=12, n_sink=1, grace=2)
+    cache = make_h2o_cache(llama, cfg)
+    cache_prompt(llama, PROMPT[:20], cache, chunk_size=8)
+    cache_prompt(llama, PROMPT[20:], cache, chunk_size=8)  # continues: positions go on
+    assert all(c.tokens_seen == len(PROMPT) for c in cache)
+    first, second = copy.deepcopy(cache), copy.deepcopy(cache)
+    a = _next_logits(llama, first, [1, 2, 3])
+    _next_logits(llama, second, [9, 9])
+    assert mx.allclose(_next_logits(llama, copy.deepcopy(cache), [1, 2, 3]), a)
+    assert all(c.tokens_seen == len(PROMPT) for c in cache)  # the copies left it alone
+
+
+def test_bad_input_raises_with_what_was_expected(llama):
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        cache_prompt(llama, [], make_h2o_cache(llama, H2OConfig(budget=8, n_sink=1, grace=2)))
+    with pytest.raises(ValueError, match="chunk_size=0 is invalid"):
+        cache_prompt(llama, PROMPT, make_h2o_cache(llama, H2OConfig(budget=8, n_sink=1, grace=2)), chunk_size=0)
+    with pytest.raises(ValueError, match="no H2OKVCache layer"):
+        cache_prompt(llama, PROMPT, [KVCache() for _ in llama.layers])
+
+
+def test_a_compressed_prompt_cache_file_round_trips(tmp_path):
+    llama = tiny_model("llama", hidden_size=128)  # head_dim 32: one quantization group
+    cache = make_h2o_cache(llama, H2OConfig(budget=12, n_sink=1, grace=2, kv_bits=8, kv_group_size=32))
+    cache_prompt(llama, PROMPT, cache, chunk_size=16)
+    save_prompt_cache(str(tmp_path / "p.safetensors"), cache, {"model": "tiny"})
+    loaded, meta = load_prompt_cache(str(tmp_path / "p.safetensors"), return_metadata=True)
+    assert meta["model"] == "tiny" and [type(c) for c in loaded] == [H2OKVCache] * 2
+    assert mx.array_equal(_next_logits(llama, loaded, [4, 5]), _next_logits(llama, cache, [4, 5]))
