@@ -63,8 +63,28 @@ def passkey_prompt(tokenizer, depth: float, n_filler: int, key: str) -> List[int
     filler = tokenizer.encode(FILLER * (n_filler // 20 + 2))[:n_filler]
     cut = int(depth * len(filler))
     needle = tokenizer.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
-    question = tokenizer.encode(" What is the pass key? The pass key is")
-    return filler[:cut] + needle + filler[cut:] + question
+    return filler[:cut] + needle + filler[cut:] + tokenizer.encode(PASSKEY_QUESTION)
+
+
+PASSKEY_QUESTION = " What is the pass key? The pass key is"
+FACTS = ("door", "safe", "locker", "vault")  # words the filler does not use
+
+
+def facts_prompt(tokenizer, n_filler: int, codes: List[str]):
+    """`n_filler` tokens of filler with one code per name of FACTS (as many as `codes`)
+    spread evenly through it; returns `(context ids, [question ids per code])`."""
+    filler = tokenizer.encode(FILLER * (n_filler // 20 + 2))[:n_filler]
+    names = FACTS[: len(codes)]
+    if len(codes) > len(FACTS):
+        raise ValueError(f"{len(codes)} codes is invalid: expected at most {len(FACTS)} (one per name of FACTS)")
+    ids, last = [], 0
+    for i, (name, code) in enumerate(zip(names, codes)):
+        cut = (i + 1) * len(filler) // (len(codes) + 1)
+        ids += filler[last:cut] + tokenizer.encode(
+            f" The code of the {name} is {code}. Remember it. {code} is the code of the {name}. ")
+        last = cut
+    questions = [tokenizer.encode(f" What is the code of the {name}? The code of the {name} is") for name in names]
+    return ids + filler[last:], questions
 
 
 # ---------------------------------------------------------------- quality

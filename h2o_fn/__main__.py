@@ -1,4 +1,4 @@
-"""Command line: `python -m h2o_fn {demo,generate,eval,bench,serve}` (also the `h2o-fn` script).
+"""Command line: `python -m h2o_fn {demo,generate,cache-prompt,eval,bench,serve}` (also the `h2o-fn` script).
 
 Every command is a module with `setup_arg_parser()` and `main(argv=None)`, loaded by
 name when asked for: only `demo` lives in the core package; the others need mlx-lm
@@ -10,6 +10,7 @@ import sys
 
 COMMANDS = {
     "generate": "h2o_fn.adapters.cli.generate",
+    "cache-prompt": "h2o_fn.adapters.cli.cache_prompt",
     "eval": "h2o_fn.adapters.cli.evaluate",
     "bench": "h2o_fn.adapters.cli.bench",
     "serve": "h2o_fn.adapters.cli.serve",
@@ -18,6 +19,7 @@ COMMANDS = {
 
 SUMMARIES = {
     "generate": "generate text with an H2O cache (--demo: side by side with mlx-lm's caches)",
+    "cache-prompt": "compress a prompt once (query-agnostic) into a prompt-cache file generate answers from",
     "eval": "quality: streaming perplexity, agreement, retrieval, memory frontier, oracle mass",
     "bench": "speed: per-layer update, decode vs context, prefill",
     "serve": "mlx-lm's OpenAI-compatible server (mlx_lm.server) with H2O caches",
@@ -27,7 +29,7 @@ SUMMARIES = {
 
 def usage() -> str:
     lines = [f"usage: python -m h2o_fn {{{','.join(COMMANDS)}}} [options]  (-h for each)", ""]
-    lines += [f"  {name:9s} {SUMMARIES[name]}" for name in COMMANDS]
+    lines += [f"  {name:12s} {SUMMARIES[name]}" for name in COMMANDS]
     return "\n".join(lines)
 
 

@@ -22,7 +22,7 @@ from h2o_fn import H2OConfig  # noqa: E402
 from h2o_fn.config import KV_BITS, KV_GROUP_SIZES, PREFILLS, SCORINGS  # noqa: E402
 from h2o_fn.adapters import gguf  # noqa: E402
 from h2o_fn.adapters import metrics  # noqa: E402
-from h2o_fn.adapters.cli import bench, common, evaluate, generate, plots  # noqa: E402
+from h2o_fn.adapters.cli import bench, cache_prompt, common, evaluate, generate, plots  # noqa: E402
 from h2o_fn.adapters.mlx_lm import DEFAULT_CONFIG  # noqa: E402
 from h2o_fn import demo  # noqa: E402
 
@@ -69,7 +69,7 @@ def tiny_dir(tmp_path_factory):
 # ---------------------------------------------------------------- flags (in process, no model)
 
 
-@pytest.mark.parametrize("module", [generate, evaluate, bench, demo])
+@pytest.mark.parametrize("module", [generate, cache_prompt, evaluate, bench, demo])
 def test_every_flag_has_help(module):
     parser = module.setup_arg_parser()
     missing = [a.dest for a in parser._actions if not a.help]
@@ -197,7 +197,7 @@ def test_generate_reports_a_missing_model_in_one_line(tmp_path):
 def test_eval_every_section_on_a_model_dir(tiny_dir, tmp_path):
     h2o_fn("eval", "--model", tiny_dir, "--tokens", "40", "--budgets", "24", "--gen-budgets", "24",
            "--gen-tokens", "6", "--prompts", "1", "--passkey-context", "40", "--passkey-budgets", "24",
-           "--trials", "1", "--map-steps", "4", "--sweep-budget", "24", "--frontier-budgets", "24",
+           "--trials", "1", "--facts-trials", "1", "--peak-context", "48", "--repeat-chunk", "16", "--map-steps", "4", "--sweep-budget", "24", "--frontier-budgets", "24",
            "--frontier-bits", "none", "4", "--no-openblas", "--out", str(tmp_path))
     results = json.loads((tmp_path / "eval.json").read_text())
     assert {"ppl", "frontier", "agree", "retrieval", "kept_map", "sweep", "mass"} <= results.keys()
@@ -205,15 +205,45 @@ def test_eval_every_section_on_a_model_dir(tiny_dir, tmp_path):
     names = {r["name"] for r in results["ppl"]["rows"]}
     assert {"full KVCache", "RotatingKVCache keep=4", "H2O key oneshot", "H2O query greedy"} <= names
     assert all(r["ppl"] > 1 for r in results["ppl"]["rows"])
-    assert len(results["retrieval"]["depths"]) >= 5 and results["retrieval"]["trials"] == 1
-    depths = results["retrieval"]["depths"]
-    assert all(len(r["by_depth"]) == len(depths) for r in results["retrieval"]["rows"])
+    retrieval = results["retrieval"]
+    assert len(retrieval["depths"]) >= 5 and retrieval["trials"] == 1
+    assert set(retrieval["protocols"]) == {"aware", "agnostic"}
+    for rows in retrieval["protocols"].values():
+        assert all(len(r["by_depth"]) == len(retrieval["depths"]) for r in rows)
+        assert [r["family"] for r in rows][-1] == "repeat" and all(r["seconds"] > 0 for r in rows)
+    assert [r["asked"] for r in retrieval["facts"]["rows"]] == [4] * len(retrieval["facts"]["rows"])
+    assert {r["family"] for r in retrieval["peak"]["rows"]} == {"full", "repeat"}
     mass = results["mass"]["rows"][0]
     assert mass["kv"]["24"] <= mass["24"] + 1e-6  # one set per KV head cannot beat each query head's own
     for png in ("ppl_vs_budget.png", "kept_positions.png", "frontier.png"):
         assert (tmp_path / png).stat().st_size > 1000
     report = (tmp_path / "eval.md").read_text()
     assert "Streaming perplexity" in report and "Memory frontier" in report and "depth 0.9" in report
+    assert "query-agnostic" in report and "Several facts" in report and "Peak memory" in report
+
+
+def test_cache_prompt_then_generate_from_the_file(tiny_dir, tmp_path):
+    f = tmp_path / "doc.safetensors"
+    out = h2o_fn("cache-prompt", "--model", tiny_dir, "--prompt", "The sky is blue. " * 20, "--budget", "16",
+                 "--chunk-size", "32", "--prompt-cache-file", str(f)).stdout
+    assert "kept 16 per layer and KV head" in out and f"Saved {f}" in out
+    out = h2o_fn("generate", "--model", tiny_dir, "--prompt-cache-file", str(f), "--prompt", "What colour?",
+                 "--max-tokens", "4").stdout
+    assert "H2O policy (from the file):" in out and "budget 16, compression" in out
+
+
+def test_a_prompt_cache_file_for_another_model_or_no_file_is_a_one_line_error(tiny_dir, tmp_path):
+    f = tmp_path / "doc.safetensors"
+    h2o_fn("cache-prompt", "--model", tiny_dir, "--prompt", "Hello there.", "--budget", "16",
+           "--prompt-cache-file", str(f))
+    done = h2o_fn("generate", "--prompt-cache-file", str(f), "--prompt", "Hi", expect=2)
+    assert f"was written for model {tiny_dir!r}" in done.stderr and "Traceback" not in done.stderr
+    (tmp_path / "junk.safetensors").write_text("not a cache")
+    done = h2o_fn("generate", "--model", tiny_dir, "--prompt-cache-file", str(tmp_path / "junk.safetensors"),
+                  expect=2)
+    assert "is not a prompt-cache file" in done.stderr and "Traceback" not in done.stderr
+    done = h2o_fn("cache-prompt", "--model", tiny_dir, "--prompt", "", "--prompt-cache-file", str(f), expect=2)
+    assert "--prompt is empty: expected text to cache" in done.stderr
 
 
 def test_eval_frontier_with_kv_bits(tiny_dir, tmp_path):

@@ -13,7 +13,10 @@ only those results. Caches are compared at the same budget: mlx-lm's full `KVCac
   full, mlx-lm's QuantizedKVCache, RotatingKVCache, H2O (key, query) x (kv_bits) x budgets.
 - agree: greedy continuations of chat prompts; tokens until the first divergence from
   the full cache, repeated 4-grams, longest single-token run.
-- retrieval: a pass key hidden in filler at several depths, asked for at the end.
+- retrieval: a pass key hidden in filler at several depths, asked for at the end, with
+  the question inside the compressed prompt (query-aware) or after it (query-agnostic),
+  plus cache_prompt's repeat-pass rows; several codes in one context compressed once and
+  asked one by one; peak memory while reading a long prompt.
 - sweep: true-query H2O at one budget, decay, grace and the GQA reduction varied.
 - mass: the oracle, the attention mass each query's best k keys hold (full cache).
 - plots: a kept-positions map for one layer/head (and perplexity vs budget).
@@ -46,13 +49,17 @@ from ..metrics import (
     kv_fraction,
     longest_run,
     oracle_mass,
+    PASSKEY_QUESTION,
+    facts_prompt,
     passkey_prompt,
     repeated_4grams,
     streaming_ppl,
 )
 from .. import allocation
 from ..mlx_lm import h2o_caches, h2o_layer_count, make_h2o_cache
+from ..retention import CHUNK, REPEAT_PROMPT
 from . import common, plots
+from .retrieval import PROTOCOLS, answer, answers_per_question, peak_bytes, prefill
 
 PROMPTS = [
     "Explain photosynthesis in detail.",
@@ -103,6 +110,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9],
                         help="where the pass key sits in the filler, 0 = start (default 5 depths)")
     parser.add_argument("--trials", type=int, default=3, help="pass keys per depth (default 3)")
+    parser.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS),
+                        help="retrieval protocols: the question inside the compressed prompt (aware) or "
+                        "asked after it (agnostic) (default both)")
+    parser.add_argument("--repeat-chunk", type=int, default=CHUNK,
+                        help=f"prompt tokens per chunk of cache_prompt's repeat pass (default {CHUNK})")
+    parser.add_argument("--facts", type=int, default=4, help="codes hidden in one context (at most 4)")
+    parser.add_argument("--facts-trials", type=int, default=3, help="contexts of several facts (default 3)")
+    parser.add_argument("--peak-context", type=int, default=4096,
+                        help="prompt tokens of the peak-memory measurement (default 4096)")
     parser.add_argument("--map-steps", type=int, default=200, help="decode steps of the kept-positions map")
     return parser
 
@@ -302,22 +318,75 @@ def measure_agree(run: Run) -> dict:
             "full_samples": [tokenizer.decode(f) for f in fulls]}
 
 
+def retrieval_specs(run: Run) -> List[dict]:
+    """cache_specs at the retrieval budgets, plus cache_prompt's repeat-pass rows."""
+    specs = cache_specs(run, run.args.passkey_budgets, False)
+    for b in run.args.passkey_budgets:
+        specs.append({"name": f"H2O repeat (cache_prompt, chunk {run.args.repeat_chunk})", "family": "repeat",
+                      "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk})
+    return specs
+
+
+def _passkey_rows(run: Run, specs: List[dict], protocol: str, cases: list, prefix: List[int]) -> List[dict]:
+    model, tokenizer, depths = run.model, run.tokenizer, run.args.depths
+    question = tokenizer.encode(PASSKEY_QUESTION)
+    rows = []
+    for spec in specs:
+        hits, seconds = [], []
+        for _, key, ids in cases:
+            out, t = answer(model, spec, build_cache(model, spec), ids[: -len(question)], question, protocol, prefix)
+            hits.append(key in tokenizer.decode(out))
+            seconds.append(t)
+        by_depth = {str(d): sum(h for (dd, _, _), h in zip(cases, hits) if dd == d) / (len(cases) // len(depths))
+                    for d in depths}
+        rows.append({**describe(spec), "accuracy": sum(hits) / len(hits), "by_depth": by_depth,
+                     "seconds": sum(seconds) / len(seconds)})
+        print(f"passkey {protocol:8s} {spec['name']:38s} budget {str(spec['budget']):>5s}  "
+              f"{rows[-1]['accuracy']:.2f}  " + " ".join(f"{d}:{a:.2f}" for d, a in by_depth.items()), flush=True)
+    return rows
+
+
+def _facts_rows(run: Run, specs: List[dict], prefix: List[int]) -> dict:
+    args, model, tokenizer = run.args, run.model, run.tokenizer
+    rng = random.Random(1)
+    trials = [[str(rng.randint(10000, 99999)) for _ in range(args.facts)] for _ in range(args.facts_trials)]
+    prompts = [(codes, *facts_prompt(tokenizer, args.passkey_context, codes)) for codes in trials]
+    rows = []
+    for spec in specs:
+        hits = []
+        for codes, context, questions in prompts:
+            outs = answers_per_question(model, spec, build_cache(model, spec), context, questions, prefix)
+            hits += [code in tokenizer.decode(o) for code, o in zip(codes, outs)]
+        rows.append({**describe(spec), "found": sum(hits), "asked": len(hits)})
+        print(f"facts   {spec['name']:47s} budget {str(spec['budget']):>5s}  {sum(hits)}/{len(hits)}", flush=True)
+    return {"context": len(prompts[0][1]), "facts": args.facts, "trials": args.facts_trials, "rows": rows}
+
+
+def _peak_rows(run: Run, specs: List[dict], prefix: List[int]) -> dict:
+    ids = corpus_tokens(run.tokenizer, run.args.peak_context, run.args.text_file)
+    rows = []
+    for spec in specs:
+        peak = peak_bytes(run.model, spec, ids, build_cache(run.model, spec), prefix)
+        rows.append({**describe(spec), "peak_bytes": peak})
+        print(f"peak    {spec['name']:47s} budget {str(spec['budget']):>5s}  {peak / 2**20:8.1f} MiB", flush=True)
+    return {"tokens": len(ids), "rows": rows}
+
+
 def measure_retrieval(run: Run) -> dict:
-    """pass-key retrieval: accuracy per depth, every cache"""
+    """pass-key retrieval, query-aware and query-agnostic; several facts asked one by one"""
     args, model, tokenizer = run.args, run.model, run.tokenizer
     rng = random.Random(0)
     keys = [str(rng.randint(10000, 99999)) for _ in range(args.trials)]
     cases = [(d, k, passkey_prompt(tokenizer, d, args.passkey_context, k)) for d in args.depths for k in keys]
-    rows = []
-    for spec in cache_specs(run, args.passkey_budgets, False):
-        hits = [k in tokenizer.decode(greedy(model, ids, build_cache(model, spec), 8)) for _, k, ids in cases]
-        by_depth = {str(d): sum(h for (dd, _, _), h in zip(cases, hits) if dd == d) / len(keys)
-                    for d in args.depths}
-        rows.append({**describe(spec), "accuracy": sum(hits) / len(hits), "by_depth": by_depth})
-        print(f"passkey {spec['name']:38s} budget {str(spec['budget']):>5s}  {rows[-1]['accuracy']:.2f}  "
-              + " ".join(f"{d}:{a:.2f}" for d, a in by_depth.items()), flush=True)
+    prefix = tokenizer.encode(REPEAT_PROMPT)
+    specs = retrieval_specs(run)
+    prefill(model, cases[0][2], make_prompt_cache(model))  # warm-up: the first timed prefill is not the slowest
+    protocols = {p: _passkey_rows(run, specs, p, cases, prefix) for p in args.protocols}
+    full = [s for s in specs if s["family"] == "full"]
+    facts = _facts_rows(run, full + [s for s in specs if s["budget"] == max(args.passkey_budgets)], prefix)
+    peak = _peak_rows(run, full + [s for s in specs if s["family"] == "repeat"], prefix)
     return {"command": run.command, "context": len(cases[0][2]), "depths": args.depths, "trials": args.trials,
-            "rows": rows}
+            "protocols": protocols, "facts": facts, "peak": peak}
 
 
 def kept_map(model, tokenizer, config: H2OConfig, steps: int, layer: int) -> List[List[int]]:
@@ -456,16 +525,53 @@ def render_agree(a: dict) -> List[str]:
     )
 
 
+PROTOCOL_TITLES = {
+    "aware": "query-aware (the question inside the compressed prompt)",
+    "agnostic": "query-agnostic (the context compressed first, then the question)",
+}
+
+
 def render_retrieval(r: dict) -> List[str]:
     depths = [str(d) for d in r["depths"]]
-    return common.section(
-        f"Pass-key retrieval: {r['context']} tokens, depths {r['depths']}, {r['trials']} keys each",
-        "cache:l | budget:r | accuracy:r | " + " | ".join(f"depth {d}:r" for d in depths),
-        [(row["name"], row["budget"] or "-", f"{row['accuracy']:.2f}",
-          *(f"{row['by_depth'][d]:.2f}" for d in depths)) for row in r["rows"]],
-        r["command"],
-        ["Accuracy: the share of pass keys found in the first 8 greedy tokens after the question."],
-    )
+    if "protocols" not in r:  # a results file from before the two protocols
+        r = {**r, "protocols": {"aware": r["rows"]}}
+    out = []
+    for protocol, rows in r["protocols"].items():
+        full = next(row["seconds"] for row in rows if row["family"] == "full") if "seconds" in rows[0] else None
+        out += common.section(
+            f"Pass-key retrieval, {PROTOCOL_TITLES[protocol]}: {r['context']} tokens, depths {r['depths']}, "
+            f"{r['trials']} keys each",
+            "cache:l | budget:r | accuracy:r | " + " | ".join(f"depth {d}:r" for d in depths)
+            + " | reading the prompt, x full prefill:r",
+            [(row["name"], row["budget"] or "-", f"{row['accuracy']:.2f}",
+              *(f"{row['by_depth'][d]:.2f}" for d in depths),
+              f"{row['seconds'] / full:.2f}" if full else "-") for row in rows],
+            r["command"],
+            ["Accuracy: the share of pass keys found in the first 8 greedy tokens after the question. "
+             "Reading the prompt: mean seconds to read (and compress) what precedes the first decoded "
+             "token, as a multiple of the full KVCache's (its plain prefill), in the same run."],
+        )
+    if "facts" in r:
+        f = r["facts"]
+        out += common.section(
+            f"Several facts, compressed once: {f['facts']} codes in {f['context']} tokens, {f['trials']} contexts",
+            "cache:l | budget:r | codes found:r",
+            [(row["name"], row["budget"] or "-", f"{row['found']}/{row['asked']}") for row in f["rows"]],
+            None,
+            ["Each context is read (compressed) once; each code is then asked from its own copy.deepcopy "
+             "of the cache (query-agnostic)."],
+        )
+    if "peak" in r:
+        p = r["peak"]
+        out += common.section(
+            f"Peak memory while reading a {p['tokens']}-token prompt",
+            "cache:l | budget:r | peak above the weights, MiB:r",
+            [(row["name"], row["budget"] or "-", f"{row['peak_bytes'] / 2**20:.1f}") for row in p["rows"]],
+            None,
+            ["mx.get_peak_memory() above the memory live before reading (KV rows, activations, the "
+             "attention weights the scoring pass materialises; float32 model)."],
+        )
+    return out
 
 
 RENDER: Dict[str, Callable[[dict], List[str]]] = {

@@ -76,6 +76,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="the demonstration `make run` shows: --compare, --max-tokens "
                         f"{DEMO_MAX_TOKENS} and a budget sized so H2O evicts several times over, "
                         "unless you give them")
+    parser.add_argument("--prompt-cache-file", default=None,
+                        help="a prompt cache to start from (h2o-fn cache-prompt's or mlx_lm.cache_prompt's); "
+                        "--prompt then continues it, and the cache's own policy applies")
     parser.add_argument("--kept-map", metavar="PATH", default=None,
                         help="save a picture (PNG) of the positions one layer/head of the H2O cache "
                         "kept after each generated token")
@@ -192,6 +195,35 @@ def summary(rows: List[dict], full: dict) -> List[str]:
     return lines + [""] + textwrap.wrap(notes, width=max(len(head), 80))
 
 
+def answer_from_file(parser, args) -> None:
+    """generate --prompt-cache-file: load the cache, check it fits the model, continue it."""
+    from .cache_prompt import load, question_ids
+
+    model, tokenizer = common.load_or_exit("generate", args.model)
+    with query_scoring(model):  # query-scoring layers of the file need the hook too
+        try:
+            cache, meta = load(args.prompt_cache_file, model, args.model)
+        except ValueError as e:
+            parser.error(str(e))
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        ids = question_ids(tokenizer, prompt, meta)
+        h2o = h2o_caches(cache)
+        seen = max(c.offset for c in cache)
+        print(f"h2o-fn generate: {common.model_name(args.model)}")
+        if h2o:
+            kept = max(c.tokens_kept for c in h2o)
+            print(f"H2O policy (from the file): {h2o[0].config}")
+            print(f"Prompt cache {args.prompt_cache_file}: {seen} tokens kept as {kept} per layer and KV head "
+                  f"(budget {h2o[0].config.budget}, compression {seen / max(kept, 1):.2f}x), "
+                  f"{sum(c.nbytes for c in cache) / 2**20:.2f} MiB of KV")
+        else:
+            print(f"Prompt cache {args.prompt_cache_file}: {seen} tokens, no H2O layer (mlx-lm's caches)")
+        print("=" * 10, flush=True)
+        r = run_one(model, tokenizer, ids, cache, args, "prompt cache", True)
+    print("\n" + "=" * 10)
+    report(r)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
@@ -202,6 +234,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.max_tokens < 1:
         parser.error(f"--max-tokens {args.max_tokens} is invalid: expected at least 1")
 
+    if args.prompt_cache_file is not None:
+        if args.compare or args.demo or args.budget is not None or args.kept_map:
+            parser.error("--prompt-cache-file is invalid with --compare, --demo, --budget or --kept-map: "
+                         "expected the cache's own policy, alone")
+        return answer_from_file(parser, args)
     if args.budget is not None:  # a bad combination fails before the model loads
         common.policy_or_error(parser, args, args.budget)
     model, tokenizer = common.load_or_exit("generate", args.model)

@@ -1,0 +1,143 @@
+"""`python -m h2o_fn cache-prompt`: `mlx_lm.cache_prompt` that saves a compressed prompt cache.
+
+The prompt (a document, a system prompt) is read chunk by chunk and compressed with
+`cache_prompt`'s repeat pass (query-agnostic: the questions come later), so every H2O
+layer keeps at most `--budget` tokens per KV head. Then
+
+    h2o-fn generate --prompt-cache-file F --prompt "a question"
+
+answers from it, as `mlx_lm.generate --prompt-cache-file` does from mlx-lm's file.
+
+Flags are mlx_lm.cache_prompt's (--model, --prompt text or '-' for stdin,
+--prompt-cache-file, --ignore-chat-template, --system-prompt) plus the H2O policy and
+--chunk-size. With the chat template the prompt is the start of a user message
+(`continue_final_message`), which the question continues, as in mlx-lm.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import copy
+
+import mlx.core as mx
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+from ..attention import query_scoring
+from ..mlx_lm import h2o_caches, make_h2o_cache
+from ..retention import CHUNK, REPEAT_PROMPT, cache_prompt
+from . import common
+
+FORMAT = "h2o-fn compressed prompt cache 1"  # metadata["format"]: what generate checks first
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m h2o_fn cache-prompt",
+                                     description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_model_flag(parser)
+    parser.add_argument("--prompt", "-p", required=True, help="the prompt to cache ('-' reads stdin)")
+    parser.add_argument("--prompt-cache-file", required=True,
+                        help="where to save the compressed cache (.safetensors)")
+    parser.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
+    parser.add_argument("--ignore-chat-template", action="store_true",
+                        help="cache the prompt as raw text, without the tokenizer's chat template")
+    parser.add_argument("--chunk-size", type=int, default=CHUNK,
+                        help=f"prompt tokens read and scored per chunk; peak KV memory is about budget + "
+                        f"2 x chunk per layer (default {CHUNK})")
+    common.add_policy_flags(parser)
+    return parser
+
+
+def prompt_ids(tokenizer, prompt: str, chat: bool, system: Optional[str]) -> List[int]:
+    """The prompt's ids: raw text, or an unfinished user message the question continues."""
+    if not chat or tokenizer.chat_template is None:
+        return tokenizer.encode(prompt)
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": prompt})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+
+
+def metadata(args, tokenizer, config, chat: bool, seen: int) -> dict:
+    """Strings saved beside the arrays (safetensors metadata), read back by generate."""
+    return {
+        "format": FORMAT,
+        "model": common.model_name(args.model),
+        "chat_template": json.dumps(tokenizer.chat_template if chat else None),
+        "h2o_config": json.dumps(config._asdict()),
+        "prompt_tokens": str(seen),
+    }
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    if args.chunk_size < 1:
+        parser.error(f"--chunk-size {args.chunk_size} is invalid: expected at least 1")
+    out = Path(args.prompt_cache_file)
+    if out.suffix != ".safetensors":
+        parser.error(f"--prompt-cache-file {out} is invalid: expected a .safetensors file name")
+    config = common.policy_or_error(parser, args, args.budget)
+    model, tokenizer = common.load_or_exit("cache-prompt", args.model, dequantize=True)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        parser.error("--prompt is empty: expected text to cache")
+    chat = not args.ignore_chat_template and tokenizer.chat_template is not None
+    ids = prompt_ids(tokenizer, prompt, chat, args.system_prompt)
+    start = time.perf_counter()
+    with query_scoring(model):
+        cache = make_h2o_cache(model, config)
+        cache_prompt(model, ids, cache, repeat_prefix=tokenizer.encode(REPEAT_PROMPT), chunk_size=args.chunk_size)
+    seconds = time.perf_counter() - start
+    save_prompt_cache(str(out), cache, metadata(args, tokenizer, config, chat, len(ids)))
+    kept = max(c.tokens_kept for c in h2o_caches(cache))
+    print(f"h2o-fn cache-prompt: {common.model_name(args.model)}")
+    print(f"H2O policy: {config}")
+    print(f"Prompt: {len(ids)} tokens read in {seconds:.1f} s; kept {kept} per layer and KV head "
+          f"(compression {len(ids) / max(kept, 1):.2f}x)")
+    print(f"Saved {out} ({out.stat().st_size / 2**20:.2f} MiB)")
+
+
+def load(path: str, model, model_spec: Optional[str]):
+    """`(cache, metadata)` from a prompt-cache file, checked against the model that will
+    read it. Raises ValueError naming the mismatch (not a file of prompt caches, written
+    for another model, layers that do not fit)."""
+    if not Path(path).is_file():
+        raise ValueError(f"--prompt-cache-file {path}: no such file")
+    try:
+        cache, meta = load_prompt_cache(path, return_metadata=True)
+    except Exception as e:  # safetensors or mlx-lm's class lookup: the file is not a prompt cache
+        raise ValueError(f"--prompt-cache-file {path} is not a prompt-cache file "
+                         f"(expected one from h2o-fn cache-prompt or mlx_lm.cache_prompt): {e}") from None
+    want = common.model_name(model_spec)
+    if meta.get("model") not in (None, want):
+        raise ValueError(f"--prompt-cache-file {path} was written for model {meta['model']!r}: "
+                         f"expected {want!r} (give that --model)")
+    if len(cache) != len(model.layers):
+        raise ValueError(f"--prompt-cache-file {path} holds {len(cache)} layers: expected {len(model.layers)} "
+                         f"for {want!r}")
+    try:  # one token through a copy: shapes that do not fit fail here, not mid-generation
+        mx.eval(model(mx.array([[0]]), cache=copy.deepcopy(cache)))
+    except Exception as e:
+        raise ValueError(f"--prompt-cache-file {path} does not fit model {want!r}: {e}") from None
+    return cache, meta
+
+
+def question_ids(tokenizer, question: str, meta: dict) -> List[int]:
+    """The question's ids after a cached prompt: with the chat template the cached prompt
+    is an unfinished user message, and the question ends it and opens the answer
+    (mlx_lm.generate's `<query>` split)."""
+    if json.loads(meta.get("chat_template", "null")) is None:
+        return tokenizer.encode(question, add_special_tokens=False)
+    template = lambda content: tokenizer.apply_chat_template(  # noqa: E731
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+    marked = template("<query>")
+    text = template(question)[marked.index("<query>"):]
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+if __name__ == "__main__":
+    main()
