@@ -30,10 +30,11 @@ from h2o_fn.metal_ops import protected_argmin
 from .attention import install_query_hook, is_hooked
 from .cache import DEFAULT_CONFIG, BatchH2OKVCache, H2OKVCache
 from .lockstep import H2OCacheList, H2OFollower
-from .retention import REPEAT_PROMPT, cache_prompt
+from .retention import REPEAT_PROMPT, cache_prompt, repeat_prefix
 
 __all__ = ["DEFAULT_CONFIG", "REPEAT_PROMPT", "BatchH2OKVCache", "H2OCacheList", "H2OFollower", "H2OKVCache",
-           "cache_prompt", "h2o_caches", "h2o_layer_count", "layer_configs", "make_h2o_cache", "use_h2o"]
+           "cache_prompt", "h2o_caches", "h2o_layer_count", "layer_configs", "make_h2o_cache", "repeat_prefix",
+           "use_h2o"]
 
 
 def _kv_per_layer(caches: Sequence[Any]) -> List[int]:

@@ -44,6 +44,11 @@ REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
 CHUNK = 512  # prompt tokens read (and scored) per chunk
 
 
+def repeat_prefix(tokenizer) -> List[int]:
+    """REPEAT_PROMPT's token ids, without the BOS a tokenizer may add to a text."""
+    return tokenizer.encode(REPEAT_PROMPT, add_special_tokens=False)
+
+
 class ScoringPass:
     """One H2O layer's cache during `cache_prompt`'s two passes over a chunk: the kept
     rows `[B, H, K, D]` (dense, sorted by position), then the chunk, then the repeat

@@ -373,3 +373,55 @@ def test_the_prompt_cache_never_trims_an_evicted_entry_and_never_returns_nothing
     off.insert_cache(key, short, _cache_after(model, config, short))
     assert off.fetch_nearest_cache(key, short + [7]) == (None, short + [7])
     assert off.stats(key)["held"]["caches"] == 0 and off.stats(key)["stored"]["caches"] == 1
+
+
+class _Provider:
+    """What PromptReader reads of mlx_lm.server's ModelProvider: the model, its key, a tokenizer."""
+
+    def __init__(self, model, config):
+        from h2o_fn.adapters.mlx_lm import use_h2o
+
+        self.model, self.model_key, self.config = model, "m", config
+        self.tokenizer = type("Tok", (), {"encode": lambda self, text, add_special_tokens=True: [3, 4, 5]})()
+        self.undo = use_h2o(model, config)
+
+
+def test_a_long_prompt_is_read_with_the_repeat_pass_and_its_entry_answers_the_next_turn():
+    """The bulk of a prompt that overflows the budget goes through cache_prompt before the
+    generator sees it (query-agnostic); the question's last `tail` tokens are left to it.
+    A short prompt, or one the budget holds, is left to mlx-lm as it was. The entry stored
+    after the request is continued by the next turn, which reads only its new tokens."""
+    import mlx.core as mx
+
+    from h2o_fn.adapters.mlx_lm import h2o_caches
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    config = H2OConfig(budget=12, n_sink=1, grace=2, window=6)
+    provider = _Provider(model, config)
+    try:
+        reader = serve.PromptReader(provider, tail=config.window)
+        pc = serve.H2OPromptCache(max_size=10, reader=reader)
+        doc = [(7 * i) % 101 for i in range(1, 41)]  # 40 tokens
+        cache, rest = pc.fetch_nearest_cache("m", doc)
+        assert rest == doc[-6:] and reader.prompts_read == 1
+        layers = h2o_caches(cache)
+        assert all(c.tokens_seen == 34 and c.tokens_kept == 12 for c in layers)
+        model(mx.array([rest]), cache=cache)  # the generator feeds the tail ...
+        pc.insert_cache("m", doc, cache)  # ... and mlx-lm stores the entry
+        turn = doc + [9] * 20  # the next turn: 20 new tokens
+        cache, rest = pc.fetch_nearest_cache("m", turn)
+        assert rest == turn[-6:] and reader.prompts_read == 2
+        assert all(c.tokens_seen == 54 and c.tokens_kept == 12 for c in h2o_caches(cache))
+        # short or within budget: left to mlx-lm
+        assert pc.fetch_nearest_cache("m", [1, 2, 3]) == (None, [1, 2, 3])
+        cache, rest = pc.fetch_nearest_cache("m", list(range(50, 60)))
+        assert rest == list(range(50, 60)) and all(c.tokens_seen == 0 for c in h2o_caches(cache))
+        assert reader.prompts_read == 2
+        with pytest.raises(ValueError, match="tail=0 is invalid"):
+            serve.PromptReader(provider, tail=0)
+    finally:
+        from h2o_fn.adapters.attention import remove_query_hook
+
+        provider.undo()
+        remove_query_hook(model)  # hooks patch module globals: leave the module as found

@@ -28,7 +28,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from ..attention import query_scoring
 from ..mlx_lm import h2o_caches, make_h2o_cache
-from ..retention import CHUNK, REPEAT_PROMPT, cache_prompt
+from ..retention import CHUNK, cache_prompt, repeat_prefix
 from . import common
 
 FORMAT = "h2o-fn compressed prompt cache 1"  # metadata["format"]: what generate checks first
@@ -90,7 +90,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     start = time.perf_counter()
     with query_scoring(model):
         cache = make_h2o_cache(model, config)
-        cache_prompt(model, ids, cache, repeat_prefix=tokenizer.encode(REPEAT_PROMPT), chunk_size=args.chunk_size)
+        cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(tokenizer), chunk_size=args.chunk_size)
     seconds = time.perf_counter() - start
     save_prompt_cache(str(out), cache, metadata(args, tokenizer, config, chat, len(ids)))
     kept = max(c.tokens_kept for c in h2o_caches(cache))

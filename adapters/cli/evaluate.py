@@ -57,7 +57,7 @@ from ..metrics import (
 )
 from .. import allocation
 from ..mlx_lm import h2o_caches, h2o_layer_count, make_h2o_cache
-from ..retention import CHUNK, REPEAT_PROMPT
+from ..retention import CHUNK, repeat_prefix
 from . import common, plots
 from .retrieval import PROTOCOLS, answer, answers_per_question, peak_bytes, prefill
 
@@ -378,7 +378,7 @@ def measure_retrieval(run: Run) -> dict:
     rng = random.Random(0)
     keys = [str(rng.randint(10000, 99999)) for _ in range(args.trials)]
     cases = [(d, k, passkey_prompt(tokenizer, d, args.passkey_context, k)) for d in args.depths for k in keys]
-    prefix = tokenizer.encode(REPEAT_PROMPT)
+    prefix = repeat_prefix(tokenizer)
     specs = retrieval_specs(run)
     prefill(model, cases[0][2], make_prompt_cache(model))  # warm-up: the first timed prefill is not the slowest
     protocols = {p: _passkey_rows(run, specs, p, cases, prefix) for p in args.protocols}

@@ -32,6 +32,16 @@ prompt, deep-copies the nearest entry:
   when trimmable, else from the nearest shorter entry (`H2OPromptCache`).
 `--prompt-cache-size 0` switches reuse off.
 
+Long prompts are read query-agnostically (`--prompt-retention repeat`, the default): when
+the tokens a prompt still needs would overflow the budget, all but its last `--window`
+tokens go through `cache_prompt`'s repeat pass before mlx-lm's generator sees the prompt
+(`PromptReader`, called from `H2OPromptCache.fetch_nearest_cache` on the generation
+thread); the generator feeds the rest (the question) as usual. So the entry stored after
+the request kept what later questions ask for (a next turn, another question about the
+same document), not only what this request's question attended to. It costs about two
+prefills of the prompt's bulk, during which the other requests' decoding waits.
+`--prompt-retention window`: the adapter's chunk scoring alone, as before.
+
 Observability: `GET /v1/h2o/stats` returns, for the model being served, the policy, the
 budget of each H2O layer (`budget_per_layer`), and the tokens kept and seen per layer,
 maximised over every cache stored in the prompt cache since the start (`stored`: mlx-lm
@@ -67,9 +77,11 @@ from h2o_fn import H2OConfig
 
 from .. import allocation
 from ..mlx_lm import h2o_caches, use_h2o
+from ..retention import cache_prompt, repeat_prefix
 from . import common
 
 STATS_PATH = "/v1/h2o/stats"
+RETENTIONS = ("repeat", "window")
 
 log = logging.getLogger("h2o_fn.serve")
 
@@ -132,6 +144,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     common.add_model_flag(parser)
     common.add_policy_flags(parser)
     common.add_allocation_flag(parser)
+    parser.add_argument("--prompt-retention", choices=RETENTIONS, default="repeat",
+                        help="repeat (default): a prompt whose tokens would overflow the budget is read with "
+                        "cache_prompt's repeat pass up to its last --window tokens, so the entry the prompt "
+                        "cache stores answers later questions too (a next turn, another question about the same "
+                        "document); window: the adapter's own chunk scoring only (the prompt's last --window "
+                        "queries choose what stays)")
     group = parser.add_argument_group("mlx_lm.server (its own flags, passed through)")
     for action in mlx_server_parser()._actions:
         if action.dest in REPLACED:
@@ -239,12 +257,19 @@ class H2OPromptCache(LRUPromptCache):
     totals `stats` reports, and is logged.
     """
 
-    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63):
+    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63, reader: Optional["PromptReader"] = None):
         super().__init__(max_size, max_bytes)
         self._lock = threading.RLock()
         self._totals: Dict[Any, _Totals] = {}
+        self.reader = reader
 
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
+        cache, rest = self._nearest(model, tokens)
+        if self.reader is None:
+            return cache, rest
+        return self.reader.read(model, cache, rest)
+
+    def _nearest(self, model: Any, tokens: List[int]):
         with self._lock:
             cache, rest = super().fetch_nearest_cache(model, tokens)
             if cache is None or rest or not tokens:
@@ -254,7 +279,7 @@ class H2OPromptCache(LRUPromptCache):
                 return cache, tokens[-1:]
             if len(tokens) < 2:
                 return None, tokens
-            cache, rest = self.fetch_nearest_cache(model, tokens[:-1])
+            cache, rest = self._nearest(model, tokens[:-1])
             return cache, rest + tokens[-1:]
 
     def insert_cache(self, model: Any, tokens: List[int], prompt_cache: List[Any], *,
@@ -291,6 +316,39 @@ class H2OPromptCache(LRUPromptCache):
                          "trimmable": sum(can_trim_prompt_cache(e.prompt_cache) for e in held),
                          "max_kept_per_layer": now.kept, "max_seen_per_layer": now.seen},
             }
+
+
+class PromptReader:
+    """Reads the bulk of a long prompt before mlx-lm's generator sees it, query-agnostically.
+
+    Called (on the generation thread) with what the prompt cache found for a prompt: a
+    cache (or None) and the tokens it still lacks. When those tokens would overflow the
+    smallest budget, all but the last `tail` of them are read with `cache_prompt`'s
+    repeat pass, and mlx-lm feeds only the tail (the question, scored by its own queries
+    as usual). What mlx-lm then stores, at the end of the request, kept what a later
+    question can ask for, not only what this one asked.
+    """
+
+    def __init__(self, provider: "H2OModelProvider", tail: int):
+        if tail < 1:
+            raise ValueError(f"tail={tail} is invalid: expected >= 1 (mlx-lm feeds at least one token)")
+        self.provider, self.tail = provider, tail
+        self.prompts_read = 0  # prompts compressed so far (the log says each)
+
+    def read(self, model_key: Any, cache: Optional[List[Any]], rest: List[int]):
+        model = self.provider.model
+        if model is None or model_key != self.provider.model_key or len(rest) <= self.tail:
+            return cache, rest
+        cache = make_prompt_cache(model) if cache is None else cache
+        layers = h2o_caches(cache)
+        if not layers or max(c.tokens_kept for c in layers) + len(rest) <= min(c.config.budget for c in layers):
+            return cache, rest  # nothing would be evicted: mlx-lm's prefill keeps every token anyway
+        head = rest[: -self.tail]
+        cache_prompt(model, head, cache, repeat_prefix=repeat_prefix(self.provider.tokenizer))
+        self.prompts_read += 1
+        log.info("H2O prompt read with the repeat pass: %d tokens, %d left to the generator; kept per "
+                 "layer %s", len(head), self.tail, _span([c.tokens_kept for c in layers]))
+        return cache, rest[-self.tail :]
 
 
 def _span(xs: List[int]) -> str:
@@ -337,7 +395,10 @@ class H2OAPIHandler(mlx_server.APIHandler):
 
 def serve(host: str, port: int, provider: H2OModelProvider) -> None:
     """mlx_lm.server's `run`, with the H2O prompt cache and handler (blocks until Ctrl-C)."""
-    prompt_cache = H2OPromptCache(provider.cli_args.prompt_cache_size)
+    reader = None
+    if getattr(provider.cli_args, "prompt_retention", "window") == "repeat":
+        reader = PromptReader(provider, max(provider.config.window, 1))
+    prompt_cache = H2OPromptCache(provider.cli_args.prompt_cache_size, reader=reader)
     generator = mlx_server.ResponseGenerator(provider, prompt_cache)
     mlx_server._run_http_server(host, port, generator, handler_class=H2OAPIHandler)
 
