@@ -196,3 +196,31 @@ def test_a_compressed_prompt_cache_file_round_trips(tmp_path):
     loaded, meta = load_prompt_cache(str(tmp_path / "p.safetensors"), return_metadata=True)
     assert meta["model"] == "tiny" and [type(c) for c in loaded] == [H2OKVCache] * 2
     assert mx.array_equal(_next_logits(llama, loaded, [4, 5]), _next_logits(llama, cache, [4, 5]))
+
+
+def test_to_kvcache_relays_kept_rows_at_consecutive_positions(llama):
+    from h2o_fn.adapters.export import to_kvcache
+
+    full = make_prompt_cache(llama)
+    want = _next_logits(llama, full, PROMPT + [7])
+    cache = make_h2o_cache(llama, H2OConfig(budget=64, n_sink=1, grace=2))
+    cache_prompt(llama, PROMPT, cache, chunk_size=16)
+    plain = to_kvcache(llama, cache)  # nothing evicted: positions already 0..K-1
+    assert [type(c) for c in plain] == [KVCache] * 2 and plain[0].offset == len(PROMPT)
+    assert mx.allclose(_next_logits(llama, plain, [7]), want, atol=1e-4, rtol=1e-4)
+
+    cache = make_h2o_cache(llama, H2OConfig(budget=12, n_sink=1, grace=2))
+    cache_prompt(llama, PROMPT, cache, chunk_size=16)
+    plain = to_kvcache(llama, cache)
+    assert all(c.offset == 12 and c.keys.shape[2] == 12 for c in plain)
+    kept = np.array(kept_positions(cache[0].core_state))[0, 1]
+    p = int(kept[kept >= 0][-1])  # the newest kept key, now at row 11: re-rotated by 11 - p
+    from h2o_fn import remap
+
+    back = remap(plain[0].keys[:, 1:2, 11:12], mx.array(11), mx.array(p), dims=16, base=10000.0, traditional=False)
+    stored = cache[0].core_state.keys[:, 1:2]
+    slot = int(np.argmax(np.array(cache[0].core_state.positions[0, 1]) == p))
+    assert mx.allclose(back, stored[:, :, slot : slot + 1].astype(mx.float32), atol=1e-4)
+    assert _next_logits(llama, plain, [7]).shape == (1, 101)
+    with pytest.raises(ValueError, match="layer 0 holds KVCache"):
+        to_kvcache(llama, plain)
