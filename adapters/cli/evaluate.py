@@ -531,6 +531,11 @@ PROTOCOL_TITLES = {
 }
 
 
+def _per_cache(title: str, column: str, rows: List[dict], value: Callable[[dict], str], note: str) -> List[str]:
+    return common.section(title, f"cache:l | budget:r | {column}:r",
+                          [(row["name"], row["budget"] or "-", value(row)) for row in rows], None, [note])
+
+
 def render_retrieval(r: dict) -> List[str]:
     depths = [str(d) for d in r["depths"]]
     if "protocols" not in r:  # a results file from before the two protocols
@@ -553,24 +558,17 @@ def render_retrieval(r: dict) -> List[str]:
         )
     if "facts" in r:
         f = r["facts"]
-        out += common.section(
-            f"Several facts, compressed once: {f['facts']} codes in {f['context']} tokens, {f['trials']} contexts",
-            "cache:l | budget:r | codes found:r",
-            [(row["name"], row["budget"] or "-", f"{row['found']}/{row['asked']}") for row in f["rows"]],
-            None,
-            ["Each context is read (compressed) once; each code is then asked from its own copy.deepcopy "
-             "of the cache (query-agnostic)."],
-        )
+        out += _per_cache(f"Several facts, compressed once: {f['facts']} codes in {f['context']} tokens, "
+                          f"{f['trials']} contexts", "codes found", f["rows"],
+                          lambda row: f"{row['found']}/{row['asked']}",
+                          "Each context is read (compressed) once; each code is then asked from its own "
+                          "copy.deepcopy of the cache (query-agnostic).")
     if "peak" in r:
-        p = r["peak"]
-        out += common.section(
-            f"Peak memory while reading a {p['tokens']}-token prompt",
-            "cache:l | budget:r | peak above the weights, MiB:r",
-            [(row["name"], row["budget"] or "-", f"{row['peak_bytes'] / 2**20:.1f}") for row in p["rows"]],
-            None,
-            ["mx.get_peak_memory() above the memory live before reading (KV rows, activations, the "
-             "attention weights the scoring pass materialises; float32 model)."],
-        )
+        out += _per_cache(f"Peak memory while reading a {r['peak']['tokens']}-token prompt",
+                          "peak above the weights, MiB", r["peak"]["rows"],
+                          lambda row: f"{row['peak_bytes'] / 2**20:.1f}",
+                          "mx.get_peak_memory() above the memory live before reading (KV rows, activations, "
+                          "the attention weights the scoring pass materialises; float32 model).")
     return out
 
 
