@@ -100,6 +100,7 @@ class ScoringPass:
         """The repeat pass's weights `[B, Hq, N, L]` over kept rows, chunk and repeat tokens."""
         context = self.rows + self.chunk[0].shape[2]
         self.scores = retention.aggregate(weights[..., :context], self.kv_heads)
+        mx.eval(self.scores)  # now: left lazy, every layer's weights would stay alive until the pass ends
         self.wants_weights = False
 
     def absorb(self) -> None:

@@ -200,7 +200,7 @@ def test_eval_every_section_on_a_model_dir(tiny_dir, tmp_path):
            "--trials", "1", "--facts-trials", "1", "--peak-context", "48", "--repeat-chunk", "16", "--map-steps", "4", "--sweep-budget", "24", "--frontier-budgets", "24",
            "--frontier-bits", "none", "4", "--no-openblas", "--out", str(tmp_path))
     results = json.loads((tmp_path / "eval.json").read_text())
-    assert {"ppl", "frontier", "agree", "retrieval", "kept_map", "sweep", "mass"} <= results.keys()
+    assert {"ppl", "frontier", "agree", "retrieval", "peak", "kept_map", "sweep", "mass"} <= results.keys()
     assert {r["gqa"] for r in results["sweep"]["rows"]} == {"mean", "max"}
     names = {r["name"] for r in results["ppl"]["rows"]}
     assert {"full KVCache", "RotatingKVCache keep=4", "H2O key oneshot", "H2O query greedy"} <= names
@@ -212,7 +212,7 @@ def test_eval_every_section_on_a_model_dir(tiny_dir, tmp_path):
         assert all(len(r["by_depth"]) == len(retrieval["depths"]) for r in rows)
         assert [r["family"] for r in rows][-1] == "repeat" and all(r["seconds"] > 0 for r in rows)
     assert [r["asked"] for r in retrieval["facts"]["rows"]] == [4] * len(retrieval["facts"]["rows"])
-    assert {r["family"] for r in retrieval["peak"]["rows"]} == {"full", "repeat"}
+    assert {r["family"] for r in results["peak"]["rows"]} == {"full", "repeat"}
     mass = results["mass"]["rows"][0]
     assert mass["kv"]["24"] <= mass["24"] + 1e-6  # one set per KV head cannot beat each query head's own
     for png in ("ppl_vs_budget.png", "kept_positions.png", "frontier.png"):

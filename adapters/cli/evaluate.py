@@ -16,7 +16,8 @@ only those results. Caches are compared at the same budget: mlx-lm's full `KVCac
 - retrieval: a pass key hidden in filler at several depths, asked for at the end, with
   the question inside the compressed prompt (query-aware) or after it (query-agnostic),
   plus cache_prompt's repeat-pass rows; several codes in one context compressed once and
-  asked one by one; peak memory while reading a long prompt.
+  asked one by one.
+- peak: peak memory while reading a long prompt, full prefill against cache_prompt.
 - sweep: true-query H2O at one budget, decay, grace and the GQA reduction varied.
 - mass: the oracle, the attention mass each query's best k keys hold (full cache).
 - plots: a kept-positions map for one layer/head (and perplexity vs budget).
@@ -384,9 +385,14 @@ def measure_retrieval(run: Run) -> dict:
     protocols = {p: _passkey_rows(run, specs, p, cases, prefix) for p in args.protocols}
     full = [s for s in specs if s["family"] == "full"]
     facts = _facts_rows(run, full + [s for s in specs if s["budget"] == max(args.passkey_budgets)], prefix)
-    peak = _peak_rows(run, full + [s for s in specs if s["family"] == "repeat"], prefix)
     return {"command": run.command, "context": len(cases[0][2]), "depths": args.depths, "trials": args.trials,
-            "protocols": protocols, "facts": facts, "peak": peak}
+            "protocols": protocols, "facts": facts}
+
+
+def measure_peak(run: Run) -> dict:
+    """peak memory while reading a long prompt: full prefill against cache_prompt"""
+    specs = [s for s in retrieval_specs(run) if s["family"] in ("full", "repeat")]
+    return {"command": run.command, **_peak_rows(run, specs, repeat_prefix(run.tokenizer))}
 
 
 def kept_map(model, tokenizer, config: H2OConfig, steps: int, layer: int) -> List[List[int]]:
@@ -424,6 +430,7 @@ SECTIONS: Dict[str, tuple] = {
     "mass": ("mass", measure_mass),
     "agree": ("agree", measure_agree),
     "retrieval": ("retrieval", measure_retrieval),
+    "peak": ("peak", measure_peak),
     "plots": ("kept_map", measure_kept_map),
 }
 
@@ -563,13 +570,17 @@ def render_retrieval(r: dict) -> List[str]:
                           lambda row: f"{row['found']}/{row['asked']}",
                           "Each context is read (compressed) once; each code is then asked from its own "
                           "copy.deepcopy of the cache (query-agnostic).")
-    if "peak" in r:
-        out += _per_cache(f"Peak memory while reading a {r['peak']['tokens']}-token prompt",
-                          "peak above the weights, MiB", r["peak"]["rows"],
-                          lambda row: f"{row['peak_bytes'] / 2**20:.1f}",
-                          "mx.get_peak_memory() above the memory live before reading (KV rows, activations, "
-                          "the attention weights the scoring pass materialises; float32 model).")
     return out
+
+
+def render_peak(p: dict) -> List[str]:
+    return common.section(
+        f"Peak memory while reading a {p['tokens']}-token prompt", "cache:l | budget:r | peak above the weights, MiB:r",
+        [(row["name"], row["budget"] or "-", f"{row['peak_bytes'] / 2**20:.1f}") for row in p["rows"]],
+        p["command"],
+        ["mx.get_peak_memory() above the memory live before reading: KV rows, activations, and the "
+         "attention weights the scoring pass materialises (one layer at a time); float32 model. The full "
+         "cache prefills in steps of 2048 tokens (generate_step's default); cache_prompt in chunks."])
 
 
 RENDER: Dict[str, Callable[[dict], List[str]]] = {
@@ -579,6 +590,7 @@ RENDER: Dict[str, Callable[[dict], List[str]]] = {
     "sweep": render_sweep,
     "agree": render_agree,
     "retrieval": render_retrieval,
+    "peak": render_peak,
 }
 
 
@@ -611,7 +623,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = setup_arg_parser()
     args = common.parse_sections(parser, argv, SECTIONS)
     budgets = {"ppl": args.budgets, "agree": args.gen_budgets, "plots": args.gen_budgets,
-               "retrieval": args.passkey_budgets, "sweep": [args.sweep_budget]}
+               "retrieval": args.passkey_budgets, "peak": args.passkey_budgets, "sweep": [args.sweep_budget]}
     for budget in {b for w in args.what for b in budgets.get(w, ())}:
         common.policy_or_error(parser, args, budget)  # a bad combination fails before any work
     for budget in args.frontier_budgets if "frontier" in args.what else ():
