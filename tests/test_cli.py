@@ -210,7 +210,7 @@ def test_eval_every_section_on_a_model_dir(tiny_dir, tmp_path):
     assert set(retrieval["protocols"]) == {"aware", "agnostic"}
     for rows in retrieval["protocols"].values():
         assert all(len(r["by_depth"]) == len(retrieval["depths"]) for r in rows)
-        assert [r["family"] for r in rows][-1] == "repeat" and all(r["seconds"] > 0 for r in rows)
+        assert [r["family"] for r in rows][-2:] == ["repeat", "repeat-kvcache"] and all(r["seconds"] > 0 for r in rows)
     assert [r["asked"] for r in retrieval["facts"]["rows"]] == [4] * len(retrieval["facts"]["rows"])
     assert {r["family"] for r in results["peak"]["rows"]} == {"full", "repeat"}
     mass = results["mass"]["rows"][0]
@@ -230,6 +230,16 @@ def test_cache_prompt_then_generate_from_the_file(tiny_dir, tmp_path):
     out = h2o_fn("generate", "--model", tiny_dir, "--prompt-cache-file", str(f), "--prompt", "What colour?",
                  "--max-tokens", "4").stdout
     assert "H2O policy (from the file):" in out and "budget 16, compression" in out
+    plain = tmp_path / "plain.safetensors"
+    h2o_fn("cache-prompt", "--model", tiny_dir, "--prompt", "The sky is blue. " * 20, "--budget", "16",
+           "--prompt-cache-file", str(plain), "--kvcache")
+    from mlx_lm.models.cache import KVCache, load_prompt_cache
+
+    loaded, meta = load_prompt_cache(str(plain), return_metadata=True)
+    assert {type(c) for c in loaded} == {KVCache} and loaded[0].offset == 16 and meta["model"] == tiny_dir
+    out = h2o_fn("generate", "--model", tiny_dir, "--prompt-cache-file", str(plain), "--prompt", "Why?",
+                 "--max-tokens", "2").stdout
+    assert "no H2O layer" in out
 
 
 def test_a_prompt_cache_file_for_another_model_or_no_file_is_a_one_line_error(tiny_dir, tmp_path):

@@ -27,6 +27,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from ..attention import query_scoring
+from ..export import to_kvcache
 from ..mlx_lm import h2o_caches, make_h2o_cache
 from ..retention import CHUNK, cache_prompt, repeat_prefix
 from . import common
@@ -48,6 +49,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk-size", type=int, default=CHUNK,
                         help=f"prompt tokens read and scored per chunk; peak KV memory is about budget + "
                         f"2 x chunk per layer (default {CHUNK})")
+    parser.add_argument("--kvcache", action="store_true",
+                        help="save mlx-lm's plain KVCache instead (the kept keys re-rotated to consecutive "
+                        "positions, h2o_fn.adapters.export): unmodified mlx_lm.generate --prompt-cache-file "
+                        "loads it; BENCHMARKS.md measures what the re-rotation costs")
     common.add_policy_flags(parser)
     return parser
 
@@ -69,6 +74,7 @@ def metadata(args, tokenizer, config, chat: bool, seen: int) -> dict:
         "chat_template": json.dumps(tokenizer.chat_template if chat else None),
         "h2o_config": json.dumps(config._asdict()),
         "prompt_tokens": str(seen),
+        "tokenizer_config": json.dumps({}),  # mlx_lm.generate reads it (its own overrides: none)
     }
 
 
@@ -92,13 +98,19 @@ def main(argv: Optional[List[str]] = None) -> None:
         cache = make_h2o_cache(model, config)
         cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(tokenizer), chunk_size=args.chunk_size)
     seconds = time.perf_counter() - start
-    save_prompt_cache(str(out), cache, metadata(args, tokenizer, config, chat, len(ids)))
     kept = max(c.tokens_kept for c in h2o_caches(cache))
+    if args.kvcache:
+        try:
+            cache = to_kvcache(model, cache)
+        except ValueError as e:
+            parser.error(f"--kvcache: {e}")
+    save_prompt_cache(str(out), cache, metadata(args, tokenizer, config, chat, len(ids)))
     print(f"h2o-fn cache-prompt: {common.model_name(args.model)}")
     print(f"H2O policy: {config}")
     print(f"Prompt: {len(ids)} tokens read in {seconds:.1f} s; kept {kept} per layer and KV head "
           f"(compression {len(ids) / max(kept, 1):.2f}x)")
-    print(f"Saved {out} ({out.stat().st_size / 2**20:.2f} MiB)")
+    layout = "plain KVCache, positions 0..kept-1" if args.kvcache else "H2OKVCache"
+    print(f"Saved {out} ({out.stat().st_size / 2**20:.2f} MiB, {layout})")
 
 
 def load(path: str, model, model_spec: Optional[str]):

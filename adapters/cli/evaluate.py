@@ -70,6 +70,9 @@ PROMPTS = [
 ]
 
 
+RETRIEVAL_FAMILIES = ("rotating", "h2o-key", "h2o-query", "repeat", "repeat-kvcache")
+
+
 def _bits(text: str) -> Optional[int]:
     return None if text.lower() == "none" else int(text)
 
@@ -116,6 +119,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "asked after it (agnostic) (default both)")
     parser.add_argument("--repeat-chunk", type=int, default=CHUNK,
                         help=f"prompt tokens per chunk of cache_prompt's repeat pass (default {CHUNK})")
+    parser.add_argument("--caches", nargs="+", choices=RETRIEVAL_FAMILIES, default=list(RETRIEVAL_FAMILIES),
+                        help="cache families of retrieval and peak (the full cache always runs: the reference)")
     parser.add_argument("--facts", type=int, default=4, help="codes hidden in one context (at most 4)")
     parser.add_argument("--facts-trials", type=int, default=3, help="contexts of several facts (default 3)")
     parser.add_argument("--peak-context", type=int, default=4096,
@@ -325,7 +330,9 @@ def retrieval_specs(run: Run) -> List[dict]:
     for b in run.args.passkey_budgets:
         specs.append({"name": f"H2O repeat (cache_prompt, chunk {run.args.repeat_chunk})", "family": "repeat",
                       "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk})
-    return specs
+        specs.append({"name": "H2O repeat, saved as KVCache (re-rotated)", "family": "repeat-kvcache",
+                      "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk})
+    return [s for s in specs if s["family"] == "full" or s["family"] in run.args.caches]
 
 
 def _passkey_rows(run: Run, specs: List[dict], protocol: str, cases: list, prefix: List[int]) -> List[dict]:

@@ -5,7 +5,7 @@
 - query-agnostic: the context is compressed first, then the question is fed and
   answered (kvpress's protocol; a prompt cache asked later). Every cache reads the
   context the same way except the repeat-pass rows, which compress it with
-  `cache_prompt`.
+  `cache_prompt` (and "repeat-kvcache", which then re-lays it as plain KVCaches).
 
 Each cache is a spec from `evaluate.cache_specs` (family "repeat" for `cache_prompt`).
 """
@@ -16,6 +16,7 @@ from typing import List, Sequence
 
 import mlx.core as mx
 
+from ..export import to_kvcache
 from ..metrics import greedy
 from ..retention import cache_prompt
 
@@ -33,8 +34,10 @@ def prefill(model, ids: Sequence[int], cache: list) -> None:
 def compress(model, spec: dict, ids: Sequence[int], cache: list, repeat_prefix: Sequence[int]) -> float:
     """Read `ids` into `cache` the way the spec's cache reads a prompt; returns seconds."""
     start = time.perf_counter()
-    if spec["family"] == "repeat":
+    if spec["family"] in ("repeat", "repeat-kvcache"):
         cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix, chunk_size=spec["chunk"])
+        if spec["family"] == "repeat-kvcache":  # what unmodified mlx-lm would load (cache-prompt --kvcache)
+            cache[:] = to_kvcache(model, cache)
     else:
         prefill(model, ids, cache)
     return time.perf_counter() - start
