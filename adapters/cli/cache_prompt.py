@@ -15,16 +15,17 @@ Flags are mlx_lm.cache_prompt's (--model, --prompt text or '-' for stdin,
 """
 
 import argparse
+import copy
 import json
 import sys
 import time
 from pathlib import Path
 from typing import List, Optional
 
-import copy
-
 import mlx.core as mx
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+from h2o_fn import storage
 
 from ..attention import query_scoring
 from ..export import to_kvcache
@@ -64,6 +65,20 @@ def prompt_ids(tokenizer, prompt: str, chat: bool, system: Optional[str]) -> Lis
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": prompt})
     return tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+
+
+def full_cache_bytes(cache) -> int:
+    """Bytes of the key and value rows a full KVCache of the tokens this H2O layer has seen
+    would hold, in the dtype of its rows."""
+    s = cache.core_state
+
+    def row(store):  # (elements per row, bytes per element) unquantized
+        if storage.is_quantized(store):  # (packed uint32, scales, biases)
+            return store[0].shape[-1] * 32 // cache.config.kv_bits, store[1].dtype.size
+        return store.shape[-1], store.dtype.size
+
+    B, H = s.positions.shape[:2]
+    return B * H * cache.tokens_seen * sum(n * size for n, size in map(row, (s.keys, s.values)))
 
 
 def metadata(args, tokenizer, config, chat: bool, seen: int) -> dict:
@@ -109,8 +124,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(f"H2O policy: {config}")
     print(f"Prompt: {len(ids)} tokens read in {seconds:.1f} s; kept {kept} per layer and KV head "
           f"(compression {len(ids) / max(kept, 1):.2f}x)")
+    full = sum(full_cache_bytes(c) for c in h2o_caches(cache)) if not args.kvcache else None
     layout = "plain KVCache, positions 0..kept-1" if args.kvcache else "H2OKVCache"
     print(f"Saved {out} ({out.stat().st_size / 2**20:.2f} MiB, {layout})")
+    if full:
+        print(f"A full cache of these {len(ids)} tokens holds {full / 2**20:.2f} MiB of rows in this dtype "
+              "(what mlx_lm.cache_prompt saves)")
 
 
 def load(path: str, model, model_spec: Optional[str]):
