@@ -197,7 +197,8 @@ def test_generate_reports_a_missing_model_in_one_line(tmp_path):
 def test_eval_every_section_on_a_model_dir(tiny_dir, tmp_path):
     h2o_fn("eval", "--model", tiny_dir, "--tokens", "40", "--budgets", "24", "--gen-budgets", "24",
            "--gen-tokens", "6", "--prompts", "1", "--passkey-context", "40", "--passkey-budgets", "24",
-           "--trials", "1", "--facts-trials", "1", "--peak-context", "48", "--repeat-chunk", "16", "--map-steps", "4", "--sweep-budget", "24", "--frontier-budgets", "24",
+           "--trials", "1", "--facts-trials", "1", "--peak-context", "48", "--repeat-chunk", "16",
+           "--caches", "rotating", "h2o-query", "repeat", "repeat-kvcache", "--map-steps", "4", "--sweep-budget", "24", "--frontier-budgets", "24",
            "--frontier-bits", "none", "4", "--no-openblas", "--out", str(tmp_path))
     results = json.loads((tmp_path / "eval.json").read_text())
     assert {"ppl", "frontier", "agree", "retrieval", "peak", "kept_map", "sweep", "mass"} <= results.keys()
@@ -222,38 +223,34 @@ def test_eval_every_section_on_a_model_dir(tiny_dir, tmp_path):
     assert "query-agnostic" in report and "Several facts" in report and "Peak memory" in report
 
 
-def test_cache_prompt_then_generate_from_the_file(tiny_dir, tmp_path):
+def test_cache_prompt_then_generate_from_the_file_and_bad_files(tiny_dir, tmp_path):
     f = tmp_path / "doc.safetensors"
     out = h2o_fn("cache-prompt", "--model", tiny_dir, "--prompt", "The sky is blue. " * 20, "--budget", "16",
                  "--chunk-size", "32", "--prompt-cache-file", str(f)).stdout
-    assert "kept 16 per layer and KV head" in out and f"Saved {f}" in out
+    assert "kept 16 per layer and KV head" in out and f"Saved {f}" in out and "mlx_lm.cache_prompt saves" in out
     out = h2o_fn("generate", "--model", tiny_dir, "--prompt-cache-file", str(f), "--prompt", "What colour?",
                  "--max-tokens", "4").stdout
     assert "H2O policy (from the file):" in out and "budget 16, compression" in out
-    plain = tmp_path / "plain.safetensors"
-    h2o_fn("cache-prompt", "--model", tiny_dir, "--prompt", "The sky is blue. " * 20, "--budget", "16",
-           "--prompt-cache-file", str(plain), "--kvcache")
-    from mlx_lm.models.cache import KVCache, load_prompt_cache
-
-    loaded, meta = load_prompt_cache(str(plain), return_metadata=True)
-    assert {type(c) for c in loaded} == {KVCache} and loaded[0].offset == 16 and meta["model"] == tiny_dir
-    out = h2o_fn("generate", "--model", tiny_dir, "--prompt-cache-file", str(plain), "--prompt", "Why?",
-                 "--max-tokens", "2").stdout
-    assert "no H2O layer" in out
-
-
-def test_a_prompt_cache_file_for_another_model_or_no_file_is_a_one_line_error(tiny_dir, tmp_path):
-    f = tmp_path / "doc.safetensors"
-    h2o_fn("cache-prompt", "--model", tiny_dir, "--prompt", "Hello there.", "--budget", "16",
-           "--prompt-cache-file", str(f))
-    done = h2o_fn("generate", "--prompt-cache-file", str(f), "--prompt", "Hi", expect=2)
-    assert f"was written for model {tiny_dir!r}" in done.stderr and "Traceback" not in done.stderr
     (tmp_path / "junk.safetensors").write_text("not a cache")
     done = h2o_fn("generate", "--model", tiny_dir, "--prompt-cache-file", str(tmp_path / "junk.safetensors"),
                   expect=2)
     assert "is not a prompt-cache file" in done.stderr and "Traceback" not in done.stderr
-    done = h2o_fn("cache-prompt", "--model", tiny_dir, "--prompt", "", "--prompt-cache-file", str(f), expect=2)
-    assert "--prompt is empty: expected text to cache" in done.stderr
+
+    from mlx_lm import load
+    from mlx_lm.models.cache import KVCache, load_prompt_cache
+
+    model, _ = load(tiny_dir)
+    with pytest.raises(ValueError, match=f"was written for model {tiny_dir!r}"):
+        cache_prompt.load(str(f), model, "another-model")
+    with pytest.raises(ValueError, match="no such file"):
+        cache_prompt.load(str(tmp_path / "none.safetensors"), model, tiny_dir)
+    with pytest.raises(SystemExit):
+        cache_prompt.main(["--model", tiny_dir, "--prompt", " ", "--prompt-cache-file", str(f)])
+    plain = tmp_path / "plain.safetensors"
+    cache_prompt.main(["--model", tiny_dir, "--prompt", "The sky is blue. " * 20, "--budget", "16",
+                       "--prompt-cache-file", str(plain), "--kvcache"])
+    loaded, meta = load_prompt_cache(str(plain), return_metadata=True)
+    assert {type(c) for c in loaded} == {KVCache} and loaded[0].offset == 16 and meta["model"] == tiny_dir
 
 
 def test_eval_frontier_with_kv_bits(tiny_dir, tmp_path):

@@ -19,7 +19,7 @@ from helpers import assert_matches
 from tiny_models import tiny_model
 
 
-@settings(max_examples=50)
+@settings(max_examples=25)
 @given(st.integers(1, 2), st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3)]), st.integers(1, 5),
        st.integers(1, 7), st.integers(0, 2**31 - 1))
 def test_aggregate_equals_its_reference_twin(B, heads, N, L, seed):
@@ -76,7 +76,7 @@ def _absorb_both(s, r, rng, n, cfg):
             ref.absorb_scored(r, k, k, merged, cfg))
 
 
-@settings(max_examples=60)
+@settings(max_examples=30)
 @given(st.data())
 def test_chunk_scores_then_absorb_scored_equal_the_reference(data):
     cfg = H2OConfig(budget=data.draw(st.integers(4, 8)), n_sink=data.draw(st.integers(0, 1)),
@@ -86,7 +86,7 @@ def test_chunk_scores_then_absorb_scored_equal_the_reference(data):
     assert_matches(s, r, where=str(cfg), config=cfg)
 
 
-@settings(max_examples=40)
+@settings(max_examples=20)
 @given(st.data())
 def test_compact_keeps_everything_and_sorts_the_kept_first(data):
     """Token-by-token eviction leaves survivors in slot order of arrival: compact lays
