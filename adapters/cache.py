@@ -112,9 +112,7 @@ class H2OKVCache(_BaseCache):
             )
         self._check(keys, values)
         B, H, N, D = keys.shape
-        if self._core is None:
-            self._core = core.init(self.config, B, H, D, dtype=keys.dtype, value_dim=values.shape[3])
-            self._seen, self._lengths = [0] * B, [0] * B
+        self._start(keys, values)
         real = self._real_tokens(N)  # per row; None: all N
         alive = None if real is None else mx.array(real, dtype=mx.int32)
         rows = view.rows_for(self._lengths, self.config.capacity)
@@ -394,6 +392,21 @@ class H2OKVCache(_BaseCache):
 
     # ------------------------------------------------------------ what H2O adds
 
+    def _start(self, keys: mx.array, values: mx.array) -> None:
+        """The empty state on the first tokens `[B, H, N, D]` (their dtype and widths)."""
+        if self._core is None:
+            B, H, _, D = keys.shape
+            self._core = core.init(self.config, B, H, D, dtype=keys.dtype, value_dim=values.shape[3])
+            self._seen, self._lengths = [0] * B, [0] * B
+
+    def kept_rows(self) -> tuple:
+        """`(keys, values)` `[B, H, K, D]` of the kept tokens, dense (dequantized with
+        kv_bits) and sorted by position (`compact` first); K = tokens_kept."""
+        self.compact()
+        K, cfg = self.tokens_kept, self.config
+        return tuple(storage.dense(storage.head(s, K), cfg.kv_bits, cfg.kv_group_size)
+                     for s in (self._core.keys, self._core.values))
+
     def compact(self) -> None:
         """Lay the kept rows out first, sorted by position (`view.compact`); nothing kept
         or scored changes. `cache_prompt` then reads the kept rows as one block."""
@@ -407,10 +420,8 @@ class H2OKVCache(_BaseCache):
         slots then the chunk (`retention.chunk_scores`, `core.absorb_scored`)."""
         self._settle_all("absorb a scored chunk")
         self._check(keys, values)
-        B, H, N, D = keys.shape
-        if self._core is None:
-            self._core = core.init(self.config, B, H, D, dtype=keys.dtype, value_dim=values.shape[3])
-            self._seen, self._lengths = [0] * B, [0] * B
+        N = keys.shape[2]
+        self._start(keys, values)
         scores = retention.chunk_scores(self._core, scores, rows)
         self._core = core.absorb_scored(self._core, keys, values, scores, self.config)
         self._seen = [s + N for s in self._seen]

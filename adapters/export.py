@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from h2o_fn import remap, storage
+from h2o_fn import remap
 
 from .cache import H2OKVCache
 
@@ -39,14 +39,13 @@ def to_kvcache(model: nn.Module, cache: List[Any]) -> List[KVCache]:
         if not isinstance(c, H2OKVCache) or c.core_state is None:
             raise ValueError(f"layer {i} holds {type(c).__name__}: expected a filled H2OKVCache in every layer")
         rope = _rope(layer)
-        c.compact()
-        state, cfg = c.core_state, c.config
+        keys, values = c.kept_rows()
+        state = c.core_state
         counts = set(mx.sum(state.positions >= 0, axis=-1).reshape(-1).tolist())
         if len(counts) != 1:
             raise ValueError(f"layer {i} heads keep {sorted(counts)} tokens: expected one count to share rows")
         K = counts.pop()
-        keys, values = (storage.dense(storage.head(s, K), cfg.kv_bits, cfg.kv_group_size)
-                        for s in (state.keys, state.values))
+        keys, values = keys[:, :, :K], values[:, :, :K]
         positions = state.positions[..., :K]
         target = mx.broadcast_to(mx.arange(K), positions.shape)
         kv = KVCache()

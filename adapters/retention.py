@@ -34,7 +34,7 @@ import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 
-from h2o_fn import retention, storage
+from h2o_fn import retention
 
 from .attention import query_scoring
 from .cache import H2OKVCache
@@ -60,13 +60,9 @@ class ScoringPass:
     def __init__(self, cache: H2OKVCache):
         self.cache = cache
         cache.compact()
-        state, cfg = cache.core_state, cache.config
         self.rows = cache.tokens_kept  # the kept rows are the first `rows` slots
         self.offset = cache.tokens_seen
-        self.kept = None
-        if state is not None and self.rows:
-            self.kept = tuple(storage.dense(storage.head(s, self.rows), cfg.kv_bits, cfg.kv_group_size)
-                              for s in (state.keys, state.values))
+        self.kept = cache.kept_rows() if self.rows else None
         self.chunk = None  # (keys, values) of pass 1, [B, H, N, D]
         self.scores = None  # [B, H, rows + N] after pass 2
         self.wants_weights = False
