@@ -27,12 +27,14 @@ pytest.importorskip("mlx_lm")
 
 from h2o_fn import H2OConfig  # noqa: E402
 from h2o_fn.adapters import gguf  # noqa: E402
-from h2o_fn.adapters.cli import serve  # noqa: E402
+from h2o_fn.adapters.cli import serve, serve_compat, serve_requests  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET = 32  # n_sink 4, grace 8: a 15-token prompt and 24 new tokens already evict
 STARTUP_S = 60  # the bundled model loads in ~3 s; a loaded CPU can take far longer
 REQUEST_S = 90  # per HTTP request (socket timeout), so no client thread can hang
+MAX_PROMPT = 200  # the guarded server's --max-prompt-tokens
+SOAK_RSS_MIB = 24  # RSS growth allowed over the soak's last 180 requests
 
 try:
     gguf.default_gguf_path()
@@ -53,7 +55,7 @@ class Server:
         """(status, headers, body text) of one request on a fresh connection."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=REQUEST_S)
         try:
-            payload = None if body is None else json.dumps(body)
+            payload = body if body is None or isinstance(body, bytes) else json.dumps(body)
             conn.request(method, path, payload, {"Content-Type": "application/json"})
             response = conn.getresponse()
             return response.status, dict(response.getheaders()), response.read().decode()
@@ -67,6 +69,17 @@ class Server:
         assert status == 200, text
         self.chats += 1
         return headers, text
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server process has used (Linux /proc)."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
 
     def stats(self) -> dict:
         status, _, text = self.request("GET", serve.STATS_PATH)
@@ -102,8 +115,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def start_server(tmp_path_factory, *flags):
+    """A server subprocess on a free port (the bundled model, BUDGET), stopped after the tests."""
     if not BUNDLED:
         pytest.skip(f"default model missing: {gguf.INSTALL_HINT}")
     port = free_port()
@@ -111,13 +124,14 @@ def server(tmp_path_factory):
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "h2o_fn", "serve", "--budget", str(BUDGET), "--host", "127.0.0.1",
-             "--port", str(port)],
+             "--port", str(port), *flags],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
     try:
         srv = Server(port, log)
+        srv.pid = proc.pid
         deadline = time.monotonic() + STARTUP_S
         while True:
             assert proc.poll() is None, f"server exited ({proc.returncode}):\n{log.read_text()[-3000:]}"
@@ -136,6 +150,17 @@ def server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from start_server(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """A second server for the tests that leave requests unfinished or count memory."""
+    yield from start_server(tmp_path_factory, "--max-prompt-tokens", str(MAX_PROMPT))
 
 
 def in_threads(calls):
@@ -276,10 +301,13 @@ def test_every_flag_has_help_and_mlx_lm_servers_flags_pass_through():
     parser = serve.setup_arg_parser()
     actions = {a.dest: a for a in parser._actions}
     assert not [d for d, a in actions.items() if not a.help]
-    mlx = {a.dest: a for a in serve.mlx_server_parser()._actions}
-    for dest in ("host", "port", "max_tokens", "decode_concurrency", "prompt_cache_size", "chat_template"):
+    mlx = {a.dest: a for a in serve_compat.parser_actions(serve_compat.server_parser())}
+    for dest in ("host", "port", "decode_concurrency", "prompt_cache_size", "chat_template"):
         a, b = actions[dest], mlx[dest]  # mlx-lm's own definition
         assert (a.option_strings, a.default, a.type, a.help) == (b.option_strings, b.default, b.type, b.help)
+    for dest, (default, text) in serve.CHANGED.items():  # mlx-lm's flag, serve's default and meaning
+        a, b = actions[dest], mlx[dest]
+        assert (a.option_strings, a.type, a.default, a.help) == (b.option_strings, b.type, default, text)
     assert actions["kv_bits"].help.startswith("store H2O's kept keys")  # the policy's, not mlx-lm's
     args = parser.parse_args([])
     assert args.model is None and args.port == 8080 and args.budget == serve.common.DEFAULT_CONFIG.budget
@@ -425,3 +453,274 @@ def test_a_long_prompt_is_read_with_the_repeat_pass_and_its_entry_answers_the_ne
 
         provider.undo()
         remove_query_hook(model)  # hooks patch module globals: leave the module as found
+
+
+# ---------------------------------------------------------------- hostile and abandoned requests
+
+
+def hi(**fields):
+    return {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields}
+
+
+CHAT = "/v1/chat/completions"
+HOSTILE = [  # (what, path, body: dict or raw bytes, status, param)
+    ("stop is a number", CHAT, hi(stop=5), 400, "stop"),
+    ("stop list holds a number", CHAT, hi(stop=["x", 5]), 400, "stop"),
+    ("top_k beyond the vocabulary", CHAT, hi(top_k=10**9, temperature=0.7), 400, "top_k"),
+    ("another model", CHAT, hi(model="gpt-4o-mini"), 404, "model"),
+    ("a hub id", "/v1/completions", {"prompt": "Hi", "model": "mlx-community/Llama-3.2-1B-Instruct-4bit"},
+     404, "model"),
+    ("NaN temperature", CHAT, b'{"messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}',
+     400, "temperature"),
+    ("infinite temperature", CHAT, b'{"messages": [{"role": "user", "content": "Hi"}], "temperature": Infinity}',
+     400, "temperature"),
+    ("n > 1", CHAT, hi(n=2), 400, "n"),
+    ("content null", CHAT, {"messages": [{"role": "user", "content": None}]}, 400, "messages[0].content"),
+    ("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ("an image", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "http://example.com/a.png"}}]}]}, 400, "messages[0].content[0]"),
+    ("seed 2**70", CHAT, hi(seed=2**70), 400, "seed"),
+    ("max_tokens over --max-tokens", CHAT, hi(max_tokens=10**6), 400, "max_tokens"),
+    ("messages not a list", CHAT, {"messages": "Hi"}, 400, "messages"),
+    ("prompt not a string", "/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("logit_bias off the vocabulary", CHAT, hi(logit_bias={"99999999": 1}), 400, "logit_bias"),
+    ("invalid UTF-8", CHAT, b'{"messages": "\xff\xfe"}', 400, None),
+    ("100k-deep JSON", CHAT, b"[" * 100_000 + b"]" * 100_000, 400, None),
+    ("a JSON list", CHAT, b"[1]", 400, None),
+    ("unknown endpoint", "/v1/embeddings", {"input": "x"}, 404, None),
+]
+
+
+def assert_openai_error(status, text, expected_status, param):
+    assert status == expected_status, text
+    error = json.loads(text)["error"]
+    assert isinstance(error["message"], str) and error["message"] and error["type"], error
+    assert error["param"] == param, error
+    if param:
+        assert param.split("[")[0].split(".")[0] in error["message"], error  # the message names the field
+    return error
+
+
+def test_no_hostile_request_changes_what_the_next_valid_request_gets(server):
+    """Each class of request that used to kill mlx-lm's generation thread, unload the model,
+    close the connection without a status or be accepted wrongly: an OpenAI-shaped error
+    naming the field (404 only for a model not served), and the server serves on, with
+    the same model loaded once."""
+    for what, path, body, status, param in HOSTILE:
+        got, _, text = server.request("POST", path, body)
+        assert_openai_error(got, text, status, param)
+    _, text = server.chat(brief("Name a color."), max_tokens=4)
+    assert answer(text)[0].strip()
+    assert server.request("GET", "/health")[0] == 200
+    log = server.log.read_text()
+    assert log.count("H2O on ") == 1 and "generation thread died" not in log, log[-3000:]
+
+
+def test_models_lists_the_served_model_and_answers_name_it(server):
+    status, _, text = server.request("GET", "/v1/models")
+    models = json.loads(text)["data"]
+    assert status == 200 and len(models) == 1 and models[0]["object"] == "model"
+    name = models[0]["id"]
+    assert name == Path(gguf.default_gguf_path()).stem
+    assert json.loads(server.request("GET", f"/v1/models/{name}")[2])["id"] == name
+    assert_openai_error(*server.request("GET", "/v1/models/gpt-4o")[::2], 404, "model")
+    _, text = server.chat(brief("Say hi."), max_tokens=2)
+    assert json.loads(text)["model"] == name
+    status, _, text = server.request("POST", CHAT, {**hi(), "messages": brief("Say hi."), "model": name})
+    assert status == 200 and json.loads(text)["model"] == name
+    server.chats += 1
+
+
+def test_stream_options_without_include_usage_ends_with_done(server):
+    for options, usage in (({}, False), ({"include_usage": True}, True)):
+        status, headers, text = server.request("POST", CHAT, {**hi(), "messages": brief("Hi."), "stream": True,
+                                                               "stream_options": options})
+        assert status == 200
+        server.chats += 1
+        streamed(headers, text)  # ends with [DONE]
+        assert ('"usage"' in text) == usage, text[-300:]
+    got, _, text = server.request("POST", CHAT, {**hi(), "stream": True, "stream_options": {"include_usage": 1}})
+    assert_openai_error(got, text, 400, "stream_options.include_usage")
+
+
+def test_a_prompt_beyond_the_limit_is_answered_413_naming_it(guarded):
+    words = " ".join(["word"] * (2 * MAX_PROMPT))
+    status, _, text = guarded.request("POST", CHAT, {"messages": [{"role": "user", "content": words}]})
+    error = assert_openai_error(status, text, 413, "messages")
+    assert str(MAX_PROMPT) in error["message"] and error["code"] == "context_length_exceeded"
+    status, _, text = guarded.request("POST", "/v1/completions", {"prompt": words, "max_tokens": 1})
+    assert assert_openai_error(status, text, 413, "prompt")["code"] == "context_length_exceeded"
+
+
+def post_and_leave(srv, stream: bool) -> None:
+    """Send a request for the most tokens the server allows; once it is generating, close
+    the connection without reading the answer."""
+    body = json.dumps({"messages": brief("Write a long story about the sea."), "max_tokens": 512,
+                       "stream": stream}).encode()
+    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=REQUEST_S)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    if stream:  # headers, ": keepalive" lines, then the first token's "data: "
+        seen = b""
+        while b"data: " not in seen:
+            chunk = sock.recv(4096)
+            assert chunk, seen
+            seen += chunk
+    else:
+        time.sleep(1.0)
+    before = srv.cpu_s()
+    time.sleep(0.5)
+    assert srv.cpu_s() - before > 0.2, "the request was not being generated"
+    sock.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_abandoned_request_stops_within_a_second(guarded, stream):
+    post_and_leave(guarded, stream)
+    time.sleep(1.0)
+    before = guarded.cpu_s()
+    time.sleep(1.0)
+    busy = guarded.cpu_s() - before
+    assert busy < 0.1, f"{busy:.2f} CPU s in the second after the first: still generating"
+    assert "the client left" in guarded.log.read_text()
+    _, text = guarded.chat(brief("Name a color."), max_tokens=2)  # its slot is free
+    assert answer(text)[0].strip()
+
+
+def test_a_soak_of_short_requests_keeps_memory_flat(guarded):
+    """300 requests from 3 clients: one in five a valid chat of one token (seven prompts, so
+    the prompt cache is hit and fills), the others hostile. RSS is sampled after the first
+    120 (the prompt cache and mlx's buffers warm) and after the other 180; by hand, over
+    1,120 such requests it rose to 328 MiB by the 285th and stayed within 1 MiB of it."""
+    colors = ["red", "green", "blue", "a color", "the sky", "a fruit", "a tree"]
+
+    def client(k: int, n: int):
+        def run():
+            for i in range(n):
+                if i % 5:
+                    _, path, body, status, _ = HOSTILE[(k + i) % len(HOSTILE)]
+                    assert guarded.request("POST", path, body)[0] == status
+                else:
+                    status, _, text = guarded.request("POST", CHAT, {"messages": brief(f"Name {colors[i // 5 % 7]}."),
+                                                                      "max_tokens": 1})
+                    assert status == 200, text
+        return run
+
+    start = time.monotonic()
+    in_threads([client(k, 40) for k in range(3)])
+    warm = guarded.rss_mib()
+    in_threads([client(k, 60) for k in range(3)])
+    end = guarded.rss_mib()
+    print(f"soak: 300 requests (60 chats) in {time.monotonic() - start:.1f} s, RSS {warm:.0f} -> {end:.0f} MiB")
+    assert end - warm < SOAK_RSS_MIB, (warm, end)
+    assert guarded.request("GET", "/health")[0] == 200
+
+
+# ---------------------------------------------------------------- the checks and the guards, in process
+
+
+@pytest.mark.parametrize("what,path,body,status,param", [h for h in HOSTILE if isinstance(h[2], dict)
+                                                          and h[1] != "/v1/embeddings"])
+def test_check_refuses_each_hostile_body(what, path, body, status, param):
+    limits = serve_requests.Limits("m", ("m.gguf",), max_tokens=512, vocab_size=49152)
+    with pytest.raises(serve_requests.ClientError) as e:
+        serve_requests.check(path, body, limits)
+    assert (e.value.status, e.value.param) == (status, param)
+
+
+def test_check_normalizes_what_mlx_lm_reads():
+    limits = serve_requests.Limits("m", ("m.gguf",), max_tokens=512, vocab_size=100)
+    out = serve_requests.check(CHAT, hi(model="m.gguf", stop="\n", xtc_probability=0, temperature=1,
+                                        stream_options={}), limits)
+    assert out["model"] == "m" and out["stop"] == ["\n"] and out["stream_options"] == {"include_usage": False}
+    assert isinstance(out["xtc_probability"], float) and isinstance(out["temperature"], float)
+    assert serve_requests.check(CHAT, {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1"}]}, {"role": "user", "content": [{"type": "text", "text": "x"}]}]}, limits)["stop"] == []
+
+
+def test_read_body_refuses_what_is_not_a_json_object():
+    import io
+
+    def read(raw, length=None):
+        headers = {} if length == "none" else {"Content-Length": str(len(raw) if length is None else length)}
+        with pytest.raises(serve_requests.ClientError) as e:
+            serve_requests.read_body(headers, io.BytesIO(raw), max_bytes=1000)
+        return e.value.status
+
+    assert read(b"{}", "none") == 411 and read(b"{}", "x") == 400 and read(b"{}", -1) == 400
+    assert read(b"x" * 1001) == 413 and read(b"\xff") == 400 and read(b"[1]") == 400 and read(b"{") == 400
+
+
+def test_mlx_lm_server_internals_the_overrides_rely_on_are_there():
+    """Fails when an mlx-lm upgrade moves what serve_compat overrides or reads: update
+    serve_compat (and its MLX_LM_VERSION) against the new version."""
+    assert serve_compat.missing() == []
+
+
+def test_the_generation_thread_restarts_and_fails_only_the_requests_it_held():
+    """A death of the generation thread fails the requests it held (503), the next request is
+    served by the restarted thread; three deaths in a minute make the server give up."""
+    from mlx_lm import server as mlx_server
+
+    class Flaky(serve_compat.GuardedGenerator):
+        fail = 1
+
+        def _generate(self):
+            while not self._stop:
+                q, request, args = self.requests.get()
+                if request == "stop":
+                    return
+                if self.fail:
+                    self.fail -= 1
+                    raise RuntimeError("boom")
+                q.put(mlx_server.GenerationContext(False, False, None, None, "normal", [1]))
+                q.put(None)
+
+        def give_up(self):
+            self.gave_up = True
+
+    provider = type("P", (), {"cli_args": None})()
+    gen = Flaky(provider, None)
+    try:
+        with pytest.raises(serve_compat.Answered) as e:
+            gen.generate("x", None)
+        assert e.value.error.status == 503 and len(gen.deaths) == 1
+        ctx, responses = gen.generate("x", None)  # the restarted thread serves
+        assert list(responses) == [] and ctx.prompt == [1] and gen.generation_available()
+        gen.fail = 2
+        for _ in range(2):
+            with pytest.raises(serve_compat.Answered):
+                gen.generate("x", None)
+        assert gen.gave_up and not gen.generation_available() and len(gen.deaths) == 3
+        with pytest.raises(serve_compat.Answered) as e:
+            gen.generate("x", None)
+        assert e.value.error.status == 503
+    finally:
+        gen._stop = True
+        gen.requests.put((None, "stop", None))
+        gen._generation_thread.join(timeout=5)
+
+
+def test_the_openai_client_lists_chats_streams_and_reads_the_errors(server):
+    """The official `openai` client (a test requirement): models.list, a chat, a stream, and
+    the errors it raises for a field out of range and for a model not served."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0,
+                           timeout=REQUEST_S)
+    (model,) = client.models.list().data
+    reply = client.chat.completions.create(model=model.id, messages=brief("Name a color."), max_tokens=4)
+    server.chats += 1
+    assert reply.choices[0].message.content.strip() and reply.model == model.id
+    chunks = client.chat.completions.create(model=model.id, messages=brief("Say hello."), max_tokens=4,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(chunks)
+    server.chats += 1
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
+    assert 0 < chunks[-1].usage.completion_tokens <= 4 and chunks[-1].usage.prompt_tokens > 0
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model.id, messages=brief("Hi."), temperature=0.5,
+                                       extra_body={"top_k": 10**9})
+    assert e.value.status_code == 400 and "top_k" in e.value.message and e.value.body["param"] == "top_k"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o-mini", messages=brief("Hi."))
+    assert "gpt-4o-mini" in e.value.message and e.value.code == "model_not_found"

@@ -61,7 +61,6 @@ Example:
 """
 
 import argparse
-import gc
 import json
 import logging
 import threading
@@ -78,7 +77,7 @@ from h2o_fn import H2OConfig
 from .. import allocation
 from ..mlx_lm import h2o_caches, use_h2o
 from ..retention import cache_prompt, repeat_prefix
-from . import common
+from . import common, serve_compat, serve_requests
 
 STATS_PATH = "/v1/h2o/stats"
 RETENTIONS = ("repeat", "window")
@@ -97,37 +96,16 @@ REFUSED = {
     "pipeline": "h2o-fn serve runs in one process (no distributed serving)",
 }
 
+# mlx_lm.server flags whose default or meaning h2o-fn serve changes: (default, help)
+CHANGED = {
+    "max_tokens": (512, "the most tokens a request may ask for (max_tokens or max_completion_tokens; a larger "
+                   "value is answered 400), and the number generated when it asks for none (default: 512)"),
+    "prefill_step_size": (512, "prompt tokens read per step (default: 512; mlx-lm's is 2048): a long prompt is "
+                          "read between the other requests' decode steps in slices this long, and H2O's "
+                          "prompt scoring holds attention weights for one slice at a time"),
+}
+
 # ---------------------------------------------------------------- flags
-
-
-class _Built(Exception):
-    def __init__(self, parser):
-        super().__init__("parser built")
-        self.parser = parser
-
-
-def mlx_server_parser() -> argparse.ArgumentParser:
-    """mlx_lm.server's own argument parser, exactly as its `main()` builds it.
-
-    mlx_lm.server builds its parser inside `main()`; this runs `main()` with an
-    `ArgumentParser` that stops at `parse_args` and hands the parser back, so every flag
-    keeps mlx-lm's own definition (name, type, default, help).
-    """
-
-    class Stop(argparse.ArgumentParser):
-        def parse_args(self, args=None, namespace=None):
-            raise _Built(self)
-
-    saved = mlx_server.argparse
-    mlx_server.argparse = types.SimpleNamespace(**{**vars(argparse), "ArgumentParser": Stop})
-    try:
-        mlx_server.main()
-    except _Built as built:
-        return built.parser
-    finally:
-        mlx_server.argparse = saved
-    raise RuntimeError("mlx_lm.server.main() returned without parsing arguments: this mlx-lm "
-                       "version builds its parser differently")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -150,12 +128,17 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "cache stores answers later questions too (a next turn, another question about the same "
                         "document); window: the adapter's own chunk scoring only (the prompt's last --window "
                         "queries choose what stays)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None,
+                        help="the longest prompt a request may send, in tokens (default: the model's context, "
+                        "e.g. 8192 for SmolLM2); a longer one is answered 413")
     group = parser.add_argument_group("mlx_lm.server (its own flags, passed through)")
-    for action in mlx_server_parser()._actions:
+    for action in serve_compat.parser_actions(serve_compat.server_parser()):
         if action.dest in REPLACED:
             continue
         if action.dest in REFUSED:
             action.help = argparse.SUPPRESS
+        if action.dest in CHANGED:
+            action.default, action.help = CHANGED[action.dest]
         group._add_action(action)
     return parser
 
@@ -174,9 +157,9 @@ def server_args(args: argparse.Namespace, model: str) -> argparse.Namespace:
 # ---------------------------------------------------------------- the model
 
 
-class H2OModelProvider(mlx_server.ModelProvider):
-    """mlx_lm.server's ModelProvider, loading with h2o-fn's `--model` loader (GGUF files
-    too) and `use_h2o(model, config)` applied, so every cache mlx-lm builds is H2O."""
+class H2OModelProvider(serve_compat.FixedModelProvider):
+    """mlx_lm.server's ModelProvider for one model, loaded with h2o-fn's `--model` loader
+    (GGUF files too) and `use_h2o(model, config)` applied, so every cache mlx-lm builds is H2O."""
 
     def __init__(self, cli_args: argparse.Namespace, config: H2OConfig,
                  allocation_policy: str = allocation.DEFAULT_ALLOCATION):
@@ -184,33 +167,32 @@ class H2OModelProvider(mlx_server.ModelProvider):
         self.config = config
         self.allocation = allocation_policy
 
-    def _load(self, model_path, adapter_path=None, draft_model_path=None):
-        if adapter_path is not None or draft_model_path is not None:
-            raise ValueError("h2o-fn serve: adapters and draft models are not available "
-                             f"({REFUSED['adapter_path']}; {REFUSED['draft_model']})")
-        self.reset()
-        gc.collect()
-        mx.clear_cache()
+    def load_model(self, model_path: str):
         model, tokenizer = common.load_model(model_path)
-        if self.cli_args.chat_template:
-            tokenizer.chat_template = self.cli_args.chat_template
-            tokenizer.has_chat_template = True
-        if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
-            tokenizer.chat_template = tokenizer.default_chat_template
         budgets = allocation.budgets_for(model, self.allocation, self.config, tokenizer)
         use_h2o(model, self.config, budgets)
         caches = make_prompt_cache(model)
-        self.model_key = (model_path, None, None)
-        self.model, self.tokenizer = model, tokenizer
-        self.processor, self.draft_model = None, None  # text only
-        self.is_batchable = all(hasattr(c, "merge") for c in caches)
         layers = h2o_caches(caches)
         budgets = [c.config.budget for c in layers]
         log.info("H2O on %d of %d layers of %s: %s; budgets (%s) %s; %s", len(layers), len(caches),
                  model_path, _policy(self.config), self.allocation,
                  budgets if len(set(budgets)) > 1 else f"{budgets[0]} in every layer",
-                 "continuous batching" if self.is_batchable else "one request at a time (a layer's "
-                 "cache cannot merge)")
+                 "continuous batching" if all(hasattr(c, "merge") for c in caches) else
+                 "one request at a time (a layer's cache cannot merge)")
+        return model, tokenizer
+
+    def limits(self) -> serve_requests.Limits:
+        """What a request may ask of the loaded model (names, max_tokens, vocabulary)."""
+        path = self.model_key[0]
+        local = Path(path).expanduser()
+        aliases = {path, local.name} | ({str(local.resolve())} if local.exists() else set())
+        aliases -= {served_id(path)}
+        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None) or len(self.tokenizer.vocab)
+        return serve_requests.Limits(served_id(path), tuple(sorted(aliases)), self.cli_args.max_tokens, int(vocab))
+
+    def context(self) -> Optional[int]:
+        """The model's context (tokens), when its config states one."""
+        return getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
 
     def h2o_budgets(self) -> List[int]:
         """The budget of each H2O layer, read from a cache list built for the model."""
@@ -303,7 +285,7 @@ class H2OPromptCache(LRUPromptCache):
         since the start, and over the entries held now."""
         with self._lock:
             totals = self._totals.get(model, _Totals())
-            held = [self._trie.get(m, t) for lru in self._lru._lrus.values() for m, t in lru if m == model]
+            held = serve_compat.held_entries(self, model)
             now = _Totals()
             for entry in held:
                 layers = h2o_caches(entry.prompt_cache)
@@ -378,29 +360,38 @@ def server_stats(response_generator) -> dict:
 # ---------------------------------------------------------------- HTTP
 
 
-class H2OAPIHandler(mlx_server.APIHandler):
-    """mlx_lm.server's handler plus `GET /v1/h2o/stats`."""
+def served_id(model_path: str) -> str:
+    """The model's id in `/v1/models` and in answers: a GGUF file's stem, a model directory's
+    name, else the id given (a hub id). Requests may also give the path itself."""
+    path = Path(model_path).expanduser()
+    if path.is_file():
+        return path.stem
+    return path.resolve().name if path.is_dir() else model_path
+
+
+class H2OAPIHandler(serve_compat.GuardedHandler):
+    """mlx_lm.server's handler with every request checked first, plus `GET /v1/h2o/stats`."""
 
     def do_GET(self):
         if self.path.split("?", 1)[0].rstrip("/") == STATS_PATH:
-            body = json.dumps(server_stats(self.response_generator)).encode()
-            self._set_completion_headers(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-            self.wfile.flush()
-            return
+            return self.send_json(200, server_stats(self.response_generator))
         super().do_GET()
 
 
-def serve(host: str, port: int, provider: H2OModelProvider) -> None:
-    """mlx_lm.server's `run`, with the H2O prompt cache and handler (blocks until Ctrl-C)."""
+def serve(host: str, port: int, provider: H2OModelProvider, max_prompt_tokens: Optional[int] = None) -> None:
+    """mlx_lm.server's `run` with the H2O prompt cache, the guarded generator and the checked
+    handler; blocks until Ctrl-C, or exits with EXIT_CODE when generation keeps dying."""
     reader = None
     if getattr(provider.cli_args, "prompt_retention", "window") == "repeat":
         reader = PromptReader(provider, max(provider.config.window, 1))
     prompt_cache = H2OPromptCache(provider.cli_args.prompt_cache_size, reader=reader)
-    generator = mlx_server.ResponseGenerator(provider, prompt_cache)
-    mlx_server._run_http_server(host, port, generator, handler_class=H2OAPIHandler)
+    generator = serve_compat.GuardedGenerator(provider, prompt_cache, max_prompt_tokens)
+    limits = provider.limits()
+    provider.alias(limits.model_id)
+    handler = serve_compat.handler_class(H2OAPIHandler, limits)
+    serve_compat.run_http_server(host, port, generator, handler)
+    if generator.deaths and not generator.generation_available():
+        raise SystemExit(serve_compat.EXIT_CODE)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -423,16 +414,33 @@ def main(argv: Optional[List[str]] = None) -> None:
             raise SystemExit(f"h2o-fn serve: {e} ({INSTALL_HINT})") from None
     else:
         model = str(Path(args.model).expanduser()) if Path(args.model).expanduser().exists() else args.model
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        parser.error(f"--max-prompt-tokens {args.max_prompt_tokens} is invalid: expected >= 1")
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens {args.max_tokens} is invalid: expected >= 1")
+    gone = serve_compat.missing()
+    if gone or mlx_version() != serve_compat.MLX_LM_VERSION:
+        log.warning("mlx-lm %s is installed; h2o-fn serve was written against %s%s", mlx_version(),
+                    serve_compat.MLX_LM_VERSION, f" and misses: {'; '.join(gone)}" if gone else "")
     provider = H2OModelProvider(server_args(args, model), config, args.allocation)
     try:  # load here, so that a bad --model stops the command instead of the serving thread
         provider.load_default()
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"h2o-fn serve: {e}") from None
+    max_prompt = args.max_prompt_tokens or provider.context()
+    log.info("limits: prompts of at most %s tokens, at most %d new tokens per request, %d prompt tokens "
+             "per prefill step", max_prompt or "any number of", args.max_tokens, args.prefill_step_size)
     log.info("prompt cache: %s", "off (--prompt-cache-size 0)" if args.prompt_cache_size <= 0 else
              f"on, {args.prompt_cache_size} entries: a stored H2O cache is continued when a prompt "
              "extends it, and trimmed back only while it has evicted nothing")
     log.info("H2O stats: GET http://%s:%d%s", args.host, args.port, STATS_PATH)
-    serve(args.host, args.port, provider)
+    serve(args.host, args.port, provider, max_prompt)
+
+
+def mlx_version() -> str:
+    from importlib.metadata import version
+
+    return version("mlx-lm")
 
 
 if __name__ == "__main__":
