@@ -9,7 +9,10 @@ they do, never by their class:
   (same output as mlx-lm's fused or quantized path, within float tolerance) and its
   weights, averaged over the query heads that share each KV head (GQA), handed to
   `cache.receive_weights(weights)` (a cache with `weights_reduce = "none"` gets every
-  query head's weights `[B, Hq, N, L]` and reduces them itself);
+  query head's weights `[B, Hq, N, L]` and reduces them itself). A cache with
+  `scored_queries(N)` = M < N (a prompt chunk scored by its last M queries) gets the
+  weights of those M only, `[B, H, M, L]`, and the output from mlx-lm's own attention:
+  memory linear in the chunk, not quadratic;
 - a cache with an `attention_mask(N, mask)` method may replace the mask mlx-lm built
   once per forward pass from layer 0 (layers whose kept rows differ from layer 0's);
 - every other cache falls through to the original function untouched.
@@ -105,6 +108,13 @@ def _by_kv_head(mask: mx.array, H: int, rep: int) -> mx.array:
     return mx.expand_dims(mask, -3) if mask.ndim >= 3 else mask
 
 
+def _last_rows(mask, M: int):
+    """The mask of the last M queries ("causal" stays causal: it is relative to the end)."""
+    if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] > 1:
+        return mask[..., -M:, :]
+    return mask
+
+
 def per_kv_head(weights: mx.array, H: int, reduce: str = "mean") -> mx.array:
     """`[B, Hq, N, L]` weights -> `[B, H, N, L]`: query heads q // (Hq / H) share KV head h."""
     B, Hq, N, L = weights.shape
@@ -119,7 +129,13 @@ def _hook(original, reduce: str):
         if getattr(cache, "wants_weights", False) and cache.can_take(keys):
             bits, group = getattr(cache, "bits", None), getattr(cache, "group_size", 64)
             k, v = dense_rows(keys, bits, group), dense_rows(values, bits, group)
-            out, weights = attention_with_weights(queries, k, v, scale, mask, sinks)
+            N = queries.shape[2]
+            M = cache.scored_queries(N) if hasattr(cache, "scored_queries") else N
+            if M < N:  # mlx-lm's attention for the output, explicit weights of the M that score
+                out = original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+                weights = attention_with_weights(queries[:, :, N - M :], k, v, scale, _last_rows(mask, M), sinks)[1]
+            else:
+                out, weights = attention_with_weights(queries, k, v, scale, mask, sinks)
             how = getattr(cache, "weights_reduce", reduce)  # "none": every query head's weights
             cache.receive_weights(weights if how == "none" else per_kv_head(weights, cache.kv_heads, how))
             return out

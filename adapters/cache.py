@@ -229,16 +229,28 @@ class H2OKVCache(_BaseCache):
         L = p.rows + (0 if p.keys is None else p.keys.shape[2] - 1)
         return k.shape[2] == L and (k.shape[1] == self.kv_heads or self.kv_heads == 1)
 
+    def scored_queries(self, N: int) -> int:
+        """How many of the last tokens' N queries the awaited weights must cover: a prompt
+        chunk is scored by its last `window` queries only (`core.scored_queries`)."""
+        p = self._pending
+        if p is None or p.keys is None:
+            return N
+        return core.scored_queries(N, self.config, p.alive)
+
     def receive_weights(self, weights: mx.array) -> None:
-        """Attention weights `[B, H, N, L]` (GQA-reduced) over the rows last returned."""
+        """Attention weights `[B, H, M, L]` (GQA-reduced) over the rows last returned, of the
+        last M = `scored_queries(N)` queries."""
         p = self._pending
         if p is None:
             raise RuntimeError(f"{type(self).__name__} got attention weights but has no tokens waiting")
         B, H = p.state.positions.shape[:2]
         N = 1 if p.keys is None else p.keys.shape[2]  # new tokens in the view
-        expected = (B, H, N, p.rows + N - 1)
-        if tuple(weights.shape) != expected:
-            raise ValueError(f"weights shape {tuple(weights.shape)} is invalid: expected {expected}")
+        M = self.scored_queries(N)
+        if weights.ndim != 4 or weights.shape[2] not in (M, N) or tuple(weights.shape) != (B, H, weights.shape[2],
+                                                                                          p.rows + N - 1):
+            rows = f"{M} or {N}" if M < N else f"{N}"
+            raise ValueError(f"weights shape {tuple(weights.shape)} is invalid: expected ({B}, {H}, {rows}, "
+                             f"{p.rows + N - 1})")
         self._pending = None
         if p.staged:  # kept for the chunk that scores the staged tokens
             self._core = p.state

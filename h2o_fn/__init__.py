@@ -34,6 +34,7 @@ from .core import (
     pooled,
     protected_argmin,
     rewind,
+    scored_queries,
     settle,
     step,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "protected_argmin",
     "remap",
     "rewind",
+    "scored_queries",
     "settle",
     "state_nbytes",
     "step",

@@ -345,7 +345,9 @@ def absorb(
       weights: `[B, H, N, C + N]` attention weights of the chunk's queries, required
         for `scoring="query"` and refused for "key". Column j < C is the token in
         slot j of `state` (ignored where the slot is free); column C + i is chunk
-        token i (ignored where i > the query's own index).
+        token i (ignored where i > the query's own index). Those of the last
+        M = `scored_queries(N, config, n_alive)` queries alone, `[B, H, M, C + N]`,
+        are enough (the others do not score): memory linear in N, not quadratic.
       n_alive: optional `[B]` int32: row b's first n_alive[b] tokens are real, the
         rest is padding (never kept, never scored, decays nothing). Default: all N.
 
@@ -372,7 +374,7 @@ def absorb(
         ([4, 2], [6, 2])
     """
     n = _check_chunk(state, keys, values, config)
-    _check_weights(state, keys, config, weights)
+    _check_weights(state, keys, config, weights, n_alive)
     if n_alive is not None and (n_alive.ndim != 1 or n_alive.shape[0] != keys.shape[0]):
         raise ValueError(f"n_alive shape {tuple(n_alive.shape)} is invalid: expected [B={keys.shape[0]}]")
     if config.prefill == "oneshot":
@@ -434,7 +436,22 @@ def _check_chunk(state: H2OState, keys: mx.array, values: mx.array, config: H2OC
     return N
 
 
-def _check_weights(state: H2OState, keys: mx.array, config: H2OConfig, weights) -> None:
+def scored_queries(N: int, config: H2OConfig, n_alive: Optional[mx.array] = None) -> int:
+    """How many of a chunk's last queries `absorb` reads the weights of: `config.window`
+    for a oneshot chunk longer than the window whose rows are all real (SnapKV's prompt
+    window), else all N. Weights `[B, H, M, C + N]` of those M queries are enough.
+
+    Example:
+        >>> from h2o_fn import H2OConfig
+        >>> scored_queries(2048, H2OConfig(scoring="query", window=48)), scored_queries(32, H2OConfig(window=48))
+        (48, 32)
+    """
+    if config.prefill == "oneshot" and 0 < config.window < N and n_alive is None:
+        return config.window
+    return N
+
+
+def _check_weights(state: H2OState, keys: mx.array, config: H2OConfig, weights, n_alive=None) -> None:
     if (weights is None) != (config.scoring == "key"):
         raise ValueError(
             f"got weights={None if weights is None else tuple(weights.shape)} with "
@@ -442,9 +459,13 @@ def _check_weights(state: H2OState, keys: mx.array, config: H2OConfig, weights) 
             "when scoring='query'"
         )
     if weights is not None:
-        expected = (*keys.shape[:3], state.positions.shape[-1] + keys.shape[2])
-        if tuple(weights.shape) != expected:
-            raise ValueError(f"weights shape {tuple(weights.shape)} is invalid: expected {expected}")
+        B, H, N = keys.shape[:3]
+        rows = {N, scored_queries(N, config, n_alive)}
+        if weights.ndim != 4 or tuple(weights.shape[:2]) != (B, H) or weights.shape[2] not in rows or \
+                weights.shape[3] != state.positions.shape[-1] + N:
+            M = " or ".join(str(m) for m in sorted(rows))
+            raise ValueError(f"weights shape {tuple(weights.shape)} is invalid: expected "
+                             f"({B}, {H}, {M}, {state.positions.shape[-1] + N})")
 
 
 # ---------------------------------------------------------------- chunk helpers
@@ -455,19 +476,21 @@ def _alive_mask(N: int, n_alive: Optional[mx.array]) -> Optional[mx.array]:
     return None if n_alive is None else (mx.arange(N) < n_alive[:, None])[:, None, :]
 
 
-def _chunk_weights(state, keys, chunk_store, config, weights, n_alive) -> mx.array:
-    """`[B, H, N, C + N]` float32 weights of the chunk's queries: slots then chunk tokens.
+def _chunk_weights(state, keys, chunk_store, config, weights, n_alive, first: int = 0) -> mx.array:
+    """`[B, H, N - first, C + N]` float32 weights of the chunk's queries first..N-1: slots
+    then chunk tokens (first > 0 only with query weights of those rows and no padding).
 
     Key proxy: token i sees S and chunk tokens before it. Query: also itself.
     Padding neither sees (its row is 0) nor is seen (its column is 0).
     """
     B, H, N, _ = keys.shape
     C = state.positions.shape[-1]
-    row, col = mx.arange(N)[:, None], mx.arange(N)[None]
+    M = N - first
+    row, col = mx.arange(first, N)[:, None], mx.arange(N)[None]
     own = (col <= row) if weights is not None else (col < row)  # key proxy: not itself
     visible = mx.concatenate(
-        [mx.broadcast_to((state.positions >= 0)[..., None, :], (B, H, N, C)),
-         mx.broadcast_to(own, (B, H, N, N))],
+        [mx.broadcast_to((state.positions >= 0)[..., None, :], (B, H, M, C)),
+         mx.broadcast_to(own, (B, H, M, N))],
         axis=-1,
     )
     alive = _alive_mask(N, n_alive)
@@ -483,13 +506,14 @@ def _chunk_weights(state, keys, chunk_store, config, weights, n_alive) -> mx.arr
     return clean_weights(mx.where(visible, weights, 0.0))
 
 
-def _decayed_sum(w: mx.array, decay: float, n_alive: Optional[mx.array]) -> mx.array:
-    """sum_i decay^(n-1-i) w[..., i, :] for `w` `[B, H, N, M]` -> `[B, H, M]`.
+def _decayed_sum(w: mx.array, decay: float, n_alive: Optional[mx.array], first: int = 0) -> mx.array:
+    """sum_i decay^(n-1-i) w[..., i - first, :] over i = first..N-1, for `w`
+    `[B, H, N - first, M]` -> `[B, H, M]`.
 
     n = N, or per row n_alive (padding rows of `w` are 0 already)."""
-    N = w.shape[2]
+    N = first + w.shape[2]
     last = _knob(N - 1, mx.float32) if n_alive is None else _per_row(n_alive - 1, 2)
-    exponent = mx.maximum(last - mx.arange(N, dtype=mx.float32), 0.0)  # [N] or [B, N]
+    exponent = mx.maximum(last - mx.arange(first, N, dtype=mx.float32), 0.0)  # [N - first] or [B, N - first]
     powers = mx.power(_knob(decay, mx.float32), _f32(exponent))
     powers = powers[:, None] if powers.ndim == 1 else powers[:, None, :, None]
     return (powers * w).sum(axis=2)
@@ -552,11 +576,12 @@ def _absorb_oneshot(state, keys, values, config, weights, n_alive) -> H2OState:
     B, H, N, _ = keys.shape
     real = mx.broadcast_to(_knob(N), (B,)) if n_alive is None else _as(n_alive, mx.int32)
     chunk_keys = stored_rows(keys, state.keys, config)
-    w = _chunk_weights(state, keys, chunk_keys, config, weights, n_alive)
+    first = 0 if weights is None else N - weights.shape[2]  # query weights of the last rows only
+    w = _chunk_weights(state, keys, chunk_keys, config, weights, n_alive, first)
     long_chunk = N > config.window  # a prompt: scored by its last queries, ranked by spans
     if config.window and long_chunk:
-        w = mx.where(mx.arange(N)[:, None] >= (real - _knob(config.window))[:, None, None, None], w, 0.0)
-    mass = _decayed_sum(w, config.decay, n_alive)  # [B, H, C + N]
+        w = mx.where(mx.arange(first, N)[:, None] >= (real - _knob(config.window))[:, None, None, None], w, 0.0)
+    mass = _decayed_sum(w, config.decay, n_alive, first)  # [B, H, C + N]
     if n_alive is None:
         faded = _knob(config.decay ** N, mx.float32) * state.scores
     else:

@@ -15,11 +15,12 @@ from h2o_fn import (
     init,
     key_weights,
     protected_argmin,
+    scored_queries,
     step,
 )
 from h2o_fn.core import evict_lowest
 
-from helpers import core_weights, kept, same, scores
+from helpers import chunk_weights, core_weights, kept, same, scores
 from strategies import configs, make_stream, shapes, streams
 
 
@@ -92,6 +93,35 @@ def test_greedy_absorb_equals_steps_without_eviction(data):
         assert same(getattr(stepped, field), getattr(chunked, field)), field
     # scores: the same sums, reassociated (one weight pass vs T passes): float32 rounding only
     np.testing.assert_allclose(np.array(chunked.scores), np.array(stepped.scores), rtol=1e-5, atol=1e-6)
+
+
+@given(st.data())
+def test_a_prompt_chunks_last_window_weights_are_enough(data):
+    """Query scoring, oneshot: a chunk longer than the window absorbs the same from the
+    weights of its last `scored_queries` queries as from all N (the others do not score):
+    the same kept positions and rows, scores equal up to float32 reassociation."""
+    cfg = data.draw(configs(scoring="query", prefill="oneshot"))
+    cfg = cfg._replace(window=data.draw(st.integers(1, 12)))
+    shape = data.draw(shapes(max_d=16, config=cfg))
+    stream = data.draw(streams(shape, min_len=cfg.window + 1, max_len=cfg.budget + 40, decay=cfg.decay))
+    k, v = mx.array(stream.keys), mx.array(stream.values)
+    prefix = data.draw(st.integers(0, k.shape[2] - cfg.window - 1))
+    state = init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32)
+    if prefix:
+        w = core_weights(state, chunk_weights(stream, 0, prefix), cfg.capacity)
+        state = absorb(state, k[:, :, :prefix], v[:, :, :prefix], cfg, w)
+    N = k.shape[2] - prefix
+    M = scored_queries(N, cfg)
+    assert M == cfg.window < N
+    w = core_weights(state, chunk_weights(stream, prefix, N), cfg.capacity)  # [B, H, N, C + N]
+    full = absorb(state, k[:, :, prefix:], v[:, :, prefix:], cfg, w)
+    last = absorb(state, k[:, :, prefix:], v[:, :, prefix:], cfg, w[:, :, N - M :])
+    assert kept(last) == kept(full)
+    for field in ("keys", "values", "positions", "length", "seen"):
+        assert same(getattr(last, field), getattr(full, field)), field
+    np.testing.assert_allclose(np.array(last.scores), np.array(full.scores), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=f"expected \\(.*, {M} or {N},"):
+        absorb(state, k[:, :, prefix:], v[:, :, prefix:], cfg, w[:, :, N - M + 1 :])
 
 
 @given(st.data())

@@ -280,12 +280,19 @@ def bench_prefill(model, tokens, policy, budget, kv_bits, chunk, repeats) -> lis
                 lambda s=scoring: make_h2o_cache(model, policy(budget, scoring=s, prefill="oneshot",
                                                                kv_bits=kv_bits)))
     for name, make in variants.items():
-        sec = min(fill(model, make(), tokens, chunk) for _ in range(repeats))
-        rows.append({"cache": name, "tokens": len(tokens), "seconds": sec})
-        print(f"prefill {len(tokens)} tokens {name:30s} {sec:7.2f} s", flush=True)
-    base = rows[0]["seconds"]
+        runs = []
+        for _ in range(repeats):
+            mx.clear_cache()
+            base = mx.get_active_memory()
+            mx.reset_peak_memory()
+            runs.append((fill(model, make(), tokens, chunk), mx.get_peak_memory() - base))
+        sec, peak = min(runs)
+        rows.append({"cache": name, "tokens": len(tokens), "chunk": chunk, "seconds": sec, "peak_bytes": peak})
+        print(f"prefill {len(tokens)} tokens {name:30s} {sec:7.2f} s, peak {peak / 2**20:7.1f} MiB above the weights",
+              flush=True)
     for r in rows:
-        r["vs_full"] = r["seconds"] / base
+        r["vs_full"] = r["seconds"] / rows[0]["seconds"]
+        r["peak_vs_full"] = r["peak_bytes"] / rows[0]["peak_bytes"]
     return rows
 
 
@@ -326,9 +333,12 @@ def render_decode(d: dict) -> List[str]:
 
 def render_prefill(rows: list) -> List[str]:
     return common.section(
-        "Prefill",
-        "cache:l | tokens:r | seconds:r | vs full:r",
-        [(r["cache"], r["tokens"], f"{r['seconds']:.2f}", f"{r['vs_full']:.2f}") for r in rows],
+        f"Prefill (chunks of {rows[0].get('chunk', '?')} tokens; peak: mx.get_peak_memory() above what was live "
+        "before, i.e. KV rows, activations and scoring weights, not the model's weights)",
+        "cache:l | tokens:r | seconds:r | vs full:r | peak MiB:r | peak vs full:r",
+        [(r["cache"], r["tokens"], f"{r['seconds']:.2f}", f"{r['vs_full']:.2f}",
+          f"{r['peak_bytes'] / 2**20:.1f}" if "peak_bytes" in r else "-",
+          f"{r['peak_vs_full']:.2f}" if "peak_bytes" in r else "-") for r in rows],
     )
 
 
