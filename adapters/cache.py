@@ -136,6 +136,7 @@ class H2OKVCache(_BaseCache):
             out = view.chunk_view(state, keys, values, cfg, rows)
             if cfg.scoring == "key":
                 self._core = core.absorb(state, keys, values, cfg, argmin=self.argmin, n_alive=alive)
+                mx.eval(self._core)  # as in receive_weights: one layer's chunk at a time
             else:
                 self._pending = Pending(state, keys, values, rows, alive)
         counts = real or [N] * B
@@ -264,6 +265,7 @@ class H2OKVCache(_BaseCache):
         else:
             w = view.view_weights(p.state, weights, p.rows)
             self._core = core.absorb(p.state, p.keys, p.values, self.config, w, self.argmin, p.alive)
+            mx.eval(self._core)  # a chunk: left lazy, every layer's chunk rows would live until the pass ends
 
     def attention_mask(self, N: int, mask):
         """The mask this layer needs: mlx-lm builds one per forward pass from layer 0's
