@@ -191,6 +191,22 @@ class H2OKVCache(_BaseCache):
             raise RuntimeError(f"{type(self).__name__} holds no tokens yet: nothing to share")
         return self._view
 
+    # ------------------------------------------------------------ caches in lockstep
+
+    def follow(self, followed: bool = True) -> None:
+        """Record, at each update, what it started from (`last_update`): for caches that lay
+        their rows out as this one does (h2o_fn.adapters.lockstep)."""
+        self._followed = followed
+
+    def last_update(self) -> Optional[Step]:
+        """What the last update started from (positions, tokens seen, counts, view rows);
+        None unless `follow()` was called before it."""
+        return self._before
+
+    def seen_rows(self) -> List[int]:
+        """Tokens seen per batch row (empty before the first update)."""
+        return list(self._seen)
+
     @property
     def keys(self):
         """The stored key rows (all C slots; a store), for models that read a cache's

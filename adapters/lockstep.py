@@ -66,15 +66,15 @@ class H2OFollower(_BaseCache):
             raise RuntimeError("an H2OFollower needs a leader: build it inside an H2OCacheList")
         B, H, N, _ = keys.shape
         seen = self._seen or [0] * B
-        led = lead._before
-        if led is not None and led.seen == seen and lead._seen == [s + n for s, n in zip(seen, led.counts)]:
+        led, lead_seen = lead.last_update(), lead.seen_rows()
+        if led is not None and led.seen == seen and lead_seen == [s + n for s, n in zip(seen, led.counts)]:
             step = led  # the leader took these tokens already
-        elif (lead._seen or [0] * B) == seen:
+        elif (lead_seen or [0] * B) == seen:
             step = lead.next_step(B, H, N)  # the leader takes them next, from its settled layout
         else:
             raise RuntimeError(
                 f"an H2O follower at {seen} tokens is out of step with its leader at "
-                f"{lead._seen} (each forward pass must update both, once)"
+                f"{lead_seen} (each forward pass must update both, once)"
             )
         if self.keys is None:
             C = step.positions.shape[-1]
@@ -212,7 +212,7 @@ class H2OCacheList(CacheList):
             if isinstance(c, H2OFollower):
                 c.leader = leader
         if leader is not None:
-            leader._followed = any(isinstance(c, H2OFollower) for c in caches)
+            leader.follow(any(isinstance(c, H2OFollower) for c in caches))
 
     @property
     def state(self):

@@ -16,6 +16,7 @@ Example:
     >>> text = generate(model, tokenizer, "Hello", max_tokens=20, prompt_cache=cache)  # doctest: +SKIP
 """
 
+import numbers
 import warnings
 from typing import Any, List, Optional, Sequence, Union
 
@@ -94,7 +95,7 @@ def h2o_layer_count(model: nn.Module) -> int:
 def make_h2o_cache(
     model: nn.Module,
     config: Optional[H2OConfig] = None,
-    budgets: Union[None, Sequence[int]] = None,
+    budgets: Union[None, str, Sequence[int]] = None,
     argmin=protected_argmin,
 ) -> List[Any]:
     """The per-layer cache list for `prompt_cache=` in mlx-lm's generate functions.
@@ -105,7 +106,9 @@ def make_h2o_cache(
     Args:
       config: the policy (default `DEFAULT_CONFIG`).
       budgets: optional per-layer budgets, one per H2O layer, each with the policy's
-        n_sink and grace (a budget that cannot hold them is an error naming the layer).
+        n_sink and grace (a budget that cannot hold them is an error naming the layer),
+        or an allocation policy's name: "uniform" or "pyramid" ("calibrated" needs the
+        tokenizer: `allocation.budgets_for(model, "calibrated", config, tokenizer)`).
 
     What it installs: for `scoring="query"`, and for per-layer budgets of different
     sizes, the attention hook on the model's modules (`h2o_fn.adapters.attention`;
@@ -145,6 +148,27 @@ def _model_caches(model: nn.Module) -> List[Any]:
     return make(model) if make is not None else [KVCache() for _ in model.layers]
 
 
+def _budget_list(model, budgets, config: H2OConfig) -> Optional[List[int]]:
+    """`budgets` as given to make_h2o_cache: None, one int per H2O layer, or a policy name."""
+    if budgets is None:
+        return None
+    if isinstance(budgets, str):
+        from . import allocation  # it imports this module
+
+        if budgets == "calibrated":
+            raise ValueError("budgets='calibrated' needs the tokenizer: pass "
+                             "allocation.budgets_for(model, 'calibrated', config, tokenizer)")
+        if budgets not in allocation.POLICIES:
+            raise ValueError(f"budgets={budgets!r} is invalid: expected one of {allocation.POLICIES}, "
+                             "a sequence of ints or None")
+        return allocation.budgets_for(model, budgets, config)
+    if not hasattr(budgets, "__len__") or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool)
+                                                  for b in budgets):
+        raise TypeError(f"budgets={budgets!r} is invalid: expected None, a sequence of ints (one per H2O layer) "
+                        "or a policy name ('uniform', 'pyramid'; 'calibrated' through allocation.budgets_for)")
+    return [int(b) for b in budgets]
+
+
 def layer_configs(model: nn.Module, config: Optional[H2OConfig] = None,
                   budgets: Union[None, Sequence[int]] = None, argmin=protected_argmin) -> List[H2OConfig]:
     """The config of each H2O layer of `model`, in layer order (see `make_h2o_cache`):
@@ -157,6 +181,7 @@ def layer_configs(model: nn.Module, config: Optional[H2OConfig] = None,
             f"{type(model).__name__}'s caches are {kinds}: expected at least one "
             "full-attention KVCache layer for H2O to manage"
         )
+    budgets = _budget_list(model, budgets, config)
     if budgets is not None and len(budgets) != n:
         raise ValueError(f"budgets has {len(budgets)} entries: expected one per H2O layer ({n})")
     configs = [config] * n if budgets is None else [_at_budget(config, b, i) for i, b in enumerate(budgets)]

@@ -267,6 +267,23 @@ def test_per_layer_budgets(llama):
         make_h2o_cache(llama, H2OConfig(budget=12, n_sink=2, grace=3), budgets=[16, 5])
 
 
+def test_budgets_by_policy_name(llama):
+    """budgets="uniform" or "pyramid" name an allocation policy; anything else that is not a
+    sequence of ints is refused naming the accepted forms (a string used to be read as
+    one budget per character)."""
+    cfg = H2OConfig(budget=12, n_sink=2, grace=3, scoring="key")
+    assert [c.config.budget for c in make_h2o_cache(llama, cfg, budgets="uniform")] == [12, 12]
+    pyramid = [c.config.budget for c in make_h2o_cache(llama, cfg, budgets="pyramid")]
+    assert pyramid[0] > pyramid[1] and sum(pyramid) <= 24
+    with pytest.raises(ValueError, match="'calibrated' needs the tokenizer"):
+        make_h2o_cache(llama, cfg, budgets="calibrated")
+    with pytest.raises(ValueError, match="budgets='even' is invalid: expected one of"):
+        make_h2o_cache(llama, cfg, budgets="even")
+    for bad in (12, [12.0, 12], {"a": 1}):
+        with pytest.raises(TypeError, match="expected None, a sequence of ints"):
+            make_h2o_cache(llama, cfg, budgets=bad)
+
+
 # ---------------------------------------------------------------- the hook
 
 

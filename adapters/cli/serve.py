@@ -144,7 +144,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
             action.help = argparse.SUPPRESS
         if action.dest in CHANGED:
             action.default, action.help = CHANGED[action.dest]
-        group._add_action(action)
+        serve_compat.add_action(group, action)
     return parser
 
 

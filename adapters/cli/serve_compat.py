@@ -320,7 +320,13 @@ def server_parser() -> argparse.ArgumentParser:
 
 
 def parser_actions(parser: argparse.ArgumentParser) -> list:
+    """A parser's actions (argparse keeps them in a private list)."""
     return list(parser._actions)
+
+
+def add_action(group, action: argparse.Action) -> None:
+    """Add another parser's action, with its own definition, to an argument group."""
+    group._add_action(action)
 
 
 def run_http_server(host: str, port: int, generator, handler) -> None:
