@@ -26,6 +26,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import KVCache
 
 from h2o_fn import H2OConfig
+from h2o_fn.allocation import POLICIES, pyramid
 from h2o_fn.metal_ops import protected_argmin
 
 from .attention import install_query_hook, is_hooked
@@ -148,20 +149,19 @@ def _model_caches(model: nn.Module) -> List[Any]:
     return make(model) if make is not None else [KVCache() for _ in model.layers]
 
 
-def _budget_list(model, budgets, config: H2OConfig) -> Optional[List[int]]:
-    """`budgets` as given to make_h2o_cache: None, one int per H2O layer, or a policy name."""
-    if budgets is None:
+def _budget_list(budgets, config: H2OConfig, n: int) -> Optional[List[int]]:
+    """`budgets` as given to make_h2o_cache (None, one int per H2O layer, or a policy
+    name) -> None or n ints."""
+    if budgets is None or budgets == "uniform":
         return None
     if isinstance(budgets, str):
-        from . import allocation  # it imports this module
-
         if budgets == "calibrated":
             raise ValueError("budgets='calibrated' needs the tokenizer: pass "
-                             "allocation.budgets_for(model, 'calibrated', config, tokenizer)")
-        if budgets not in allocation.POLICIES:
-            raise ValueError(f"budgets={budgets!r} is invalid: expected one of {allocation.POLICIES}, "
+                             "adapters.allocation.budgets_for(model, 'calibrated', config, tokenizer)")
+        if budgets != "pyramid":
+            raise ValueError(f"budgets={budgets!r} is invalid: expected one of {POLICIES}, "
                              "a sequence of ints or None")
-        return allocation.budgets_for(model, budgets, config)
+        return pyramid(n, config.budget, config.n_sink + config.grace + 1)
     if not hasattr(budgets, "__len__") or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool)
                                                   for b in budgets):
         raise TypeError(f"budgets={budgets!r} is invalid: expected None, a sequence of ints (one per H2O layer) "
@@ -181,7 +181,7 @@ def layer_configs(model: nn.Module, config: Optional[H2OConfig] = None,
             f"{type(model).__name__}'s caches are {kinds}: expected at least one "
             "full-attention KVCache layer for H2O to manage"
         )
-    budgets = _budget_list(model, budgets, config)
+    budgets = _budget_list(budgets, config, n)
     if budgets is not None and len(budgets) != n:
         raise ValueError(f"budgets has {len(budgets)} entries: expected one per H2O layer ({n})")
     configs = [config] * n if budgets is None else [_at_budget(config, b, i) for i, b in enumerate(budgets)]
