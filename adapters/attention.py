@@ -44,15 +44,10 @@ from typing import Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from h2o_fn import storage
+
 NAME = "scaled_dot_product_attention"
 REDUCE = {"mean": mx.mean, "max": mx.max}  # over the query heads sharing a KV head
-
-
-def dense_rows(rows, bits: Optional[int], group_size: int) -> mx.array:
-    """Keys or values as given to attention: an array, or mx.quantize's triple."""
-    if isinstance(rows, (tuple, list)):
-        return mx.dequantize(*rows, group_size=group_size, bits=bits)
-    return rows
 
 
 def attention_with_weights(
@@ -128,7 +123,8 @@ def _hook(original, reduce: str):
             mask = own_mask(queries.shape[2], mask)
         if getattr(cache, "wants_weights", False) and cache.can_take(keys):
             bits, group = getattr(cache, "bits", None), getattr(cache, "group_size", 64)
-            k, v = dense_rows(keys, bits, group), dense_rows(values, bits, group)
+            # keys and values as given to attention: arrays, or mx.quantize's triples (a list from some caches)
+            k, v = (storage.dense(tuple(x) if isinstance(x, list) else x, bits, group) for x in (keys, values))
             N = queries.shape[2]
             M = cache.scored_queries(N) if hasattr(cache, "scored_queries") else N
             if M < N:  # mlx-lm's attention for the output, explicit weights of the M that score

@@ -39,11 +39,10 @@ from h2o_fn import H2OConfig, H2OState, core, retention, state_nbytes, storage, 
 from h2o_fn.metal_ops import protected_argmin
 
 # What make_h2o_cache and H2OKVCache use without a config, chosen from BENCHMARKS.md
-# (quality first, then speed): true-query scoring and oneshot prefill gave the lowest
-# streaming perplexity at every budget (oneshot is also the faster prefill); a prompt
-# longer than 48 tokens is compressed by its last 48 queries with spans of 15 kept
-# together, which took pass-key retrieval from 0.33 to 0.93 at budgets 128 and 256
-# without changing streaming perplexity (chunks of 16 are not compressed that way).
+# (quality first, then speed; its "Streaming perplexity", "Sweep" and pass-key tables
+# hold the figures): true-query scoring with oneshot prefill, and a prompt longer than
+# 48 tokens compressed by its last 48 queries with spans of 15 kept together (chunks of
+# 16, as in streaming, are not compressed that way).
 DEFAULT_CONFIG = H2OConfig(scoring="query", prefill="oneshot", window=48, pool=15)
 
 
