@@ -300,3 +300,20 @@ def test_unknown_command_and_section_are_errors():
     with pytest.raises(SystemExit):
         evaluate.main(["nothing-like-this", "--no-openblas"])
     assert isinstance(evaluate.setup_arg_parser(), argparse.ArgumentParser)
+
+
+def test_the_baseline_registry_builds_mlx_lms_caches():
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
+    from h2o_fn.adapters.cli.baselines import Baseline, build, layer_cache
+
+    model = type("M", (), {"layers": [None, None]})()
+    rot = build(model, Baseline("rotating", budget=8, keep=2))
+    assert [type(c) for c in rot] == [RotatingKVCache] * 2 and rot[0].max_size == 8 and rot[0].keep == 2
+    q = build(model, Baseline("quantized", bits=4, group_size=32))
+    assert type(q[0]) is QuantizedKVCache and (q[0].bits, q[0].group_size) == (4, 32)
+    assert type(layer_cache(Baseline("full"))) is KVCache and Baseline("full").name == "full KVCache"
+    for bad, match in ((Baseline("rotating"), "budget=None"), (Baseline("quantized"), "bits=None"),
+                       (Baseline("paged"), "family='paged' is invalid")):
+        with pytest.raises(ValueError, match=match):
+            layer_cache(bad)

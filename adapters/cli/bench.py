@@ -24,7 +24,6 @@ import time
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 from h2o_fn import (
     absorb,
@@ -40,7 +39,8 @@ from h2o_fn import (
 from ..attention import query_scoring
 from ..metrics import corpus_tokens
 from ..mlx_lm import H2OKVCache, make_h2o_cache
-from . import common
+from . import baselines, common
+from .baselines import Baseline
 
 
 def timed(fn, repeats: int) -> float:
@@ -65,9 +65,9 @@ def bench_update(configs, kv_bits: Optional[int], H=3, D=64, repeats=200) -> lis
         tok = rand(1)
         mx.eval(context, tok)
 
-        full = KVCache()
+        full = baselines.layer_cache(Baseline("full"))
         full.update_and_fetch(context, context)
-        rot = RotatingKVCache(max_size=budget, keep=cfg.n_sink)
+        rot = baselines.layer_cache(Baseline("rotating", budget=budget, keep=cfg.n_sink))
         rot.update_and_fetch(context, context)
         for _ in range(2):
             rot.update_and_fetch(tok, tok)
@@ -225,11 +225,10 @@ def caches_at(model, policy, budget: int, kv_bits: Optional[int], group_size: in
     `policy(budget, **changes)` gives the H2O config; the rotating baseline keeps as many
     first tokens as its n_sink."""
     key, query = policy(budget, scoring="key", kv_bits=None), policy(budget, scoring="query", kv_bits=None)
+    rotating = Baseline("rotating", budget=budget, keep=key.n_sink)
     out = {
-        "full KVCache": lambda: make_prompt_cache(model),
-        f"RotatingKVCache({budget}, keep={key.n_sink})": lambda: [
-            RotatingKVCache(max_size=budget, keep=key.n_sink) for _ in model.layers
-        ],
+        "full KVCache": lambda: baselines.build(model, Baseline("full")),
+        rotating.name: lambda: baselines.build(model, rotating),
         f"H2O key ({budget})": lambda: make_h2o_cache(model, key),
         f"H2O query ({budget})": lambda: make_h2o_cache(model, query),
     }
@@ -239,9 +238,8 @@ def caches_at(model, policy, budget: int, kv_bits: Optional[int], group_size: in
         out[f"H2O query ({budget}, evict_every {k})"] = lambda k=k: make_h2o_cache(
             model, query._replace(evict_every=k))
     if kv_bits:
-        out[f"QuantizedKVCache({kv_bits} bits)"] = lambda: [
-            QuantizedKVCache(group_size=group_size, bits=kv_bits) for _ in model.layers
-        ]
+        quantized = Baseline("quantized", bits=kv_bits, group_size=group_size)
+        out[quantized.name] = lambda: baselines.build(model, quantized)
         out[f"H2O key ({budget}, {kv_bits}-bit)"] = lambda: make_h2o_cache(
             model, key._replace(kv_bits=kv_bits))
         out[f"H2O query ({budget}, {kv_bits}-bit)"] = lambda: make_h2o_cache(
@@ -266,7 +264,7 @@ def bench_decode(model, tokens, contexts, caches: dict, steps, chunk) -> list:
 def bench_prefill(model, tokens, policy, budget, kv_bits, chunk, repeats) -> list:
     rows = []
     variants = {
-        "full KVCache": lambda: make_prompt_cache(model),
+        "full KVCache": lambda: baselines.build(model, Baseline("full")),
         f"H2O key greedy ({budget})": lambda: make_h2o_cache(
             model, policy(budget, scoring="key", prefill="greedy", kv_bits=None)),
         f"H2O key oneshot ({budget})": lambda: make_h2o_cache(

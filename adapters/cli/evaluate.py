@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from h2o_fn import H2OConfig, kept_positions
 from h2o_fn.allocation import POLICIES
@@ -59,7 +59,8 @@ from ..metrics import (
 from .. import allocation
 from ..mlx_lm import h2o_caches, h2o_layer_count, make_h2o_cache
 from ..retention import CHUNK, repeat_prefix
-from . import common, plots
+from . import baselines, common, plots
+from .baselines import Baseline
 from .retrieval import PROTOCOLS, answer, answers_per_question, peak_bytes, prefill
 
 PROMPTS = [
@@ -190,13 +191,17 @@ def cache_specs(run: Run, budgets: List[int], ablations: bool, prefills=("onesho
     return specs
 
 
+# the spec families that are mlx-lm baselines (ppl and retrieval name them by kind, the
+# frontier by class: its plot labels its series by family)
+BASELINE_FAMILIES = {"full": "full", "full KVCache": "full", "rotating": "rotating",
+                     "RotatingKVCache": "rotating", "QuantizedKVCache": "quantized"}
+
+
 def build_cache(model, spec: dict) -> list:
-    if spec["family"] in ("full", "full KVCache"):
-        return make_prompt_cache(model)
-    if spec["family"] in ("rotating", "RotatingKVCache"):
-        return [RotatingKVCache(max_size=spec["budget"], keep=spec["keep"]) for _ in model.layers]
-    if spec["family"] == "QuantizedKVCache":
-        return [QuantizedKVCache(group_size=spec["group_size"], bits=spec["bits"]) for _ in model.layers]
+    family = BASELINE_FAMILIES.get(spec["family"])
+    if family is not None:
+        return baselines.build(model, Baseline(family, budget=spec.get("budget"), keep=spec.get("keep", 0),
+                                               bits=spec.get("bits"), group_size=spec.get("group_size", 64)))
     return make_h2o_cache(model, spec["config"], budgets=spec.get("budgets"))
 
 

@@ -25,7 +25,6 @@ from typing import List, Optional
 
 import mlx.core as mx
 from mlx_lm import stream_generate
-from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from h2o_fn import kept_positions
@@ -34,7 +33,8 @@ from ..attention import query_scoring
 from ..metrics import build_prompt, first_divergence, held_tokens, repeated_4grams
 from ..mlx_lm import DEFAULT_CONFIG, h2o_caches, make_h2o_cache
 from .. import allocation
-from . import common
+from . import baselines, common
+from .baselines import Baseline
 
 DEFAULT_PROMPT = "Explain photosynthesis in detail."
 DEFAULT_MAX_TOKENS = 256  # mlx_lm.generate's
@@ -292,22 +292,13 @@ def main(argv: Optional[List[str]] = None) -> None:
             print(f"kept-positions map: {args.kept_map}")
         if not args.compare:
             return
-        others = [
-            ("full KVCache", make_prompt_cache(model)),
-            (
-                f"RotatingKVCache({config.budget}, keep={config.n_sink})",
-                [RotatingKVCache(max_size=config.budget, keep=config.n_sink) for _ in model.layers],
-            ),
-        ]
+        others = [Baseline("full"), Baseline("rotating", budget=config.budget, keep=config.n_sink)]
         if config.kv_bits:
-            others.append((
-                f"QuantizedKVCache({config.kv_bits} bits)",
-                [QuantizedKVCache(group_size=config.kv_group_size, bits=config.kv_bits)
-                 for _ in model.layers],
-            ))
+            others.append(Baseline("quantized", bits=config.kv_bits, group_size=config.kv_group_size))
         rows = [h2o]
-        for other, cache in others:
-            r = run_one(model, tokenizer, ids, cache, args, other, echo=False)
+        for spec in others:
+            other = spec.name
+            r = run_one(model, tokenizer, ids, baselines.build(model, spec), args, other, echo=False)
             print(f"\n--- {other} ---\n{r['text']}\n---")
             report(r)
             rows.append(r)

@@ -61,10 +61,8 @@ Example:
 """
 
 import argparse
-import json
 import logging
 import threading
-import types
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
