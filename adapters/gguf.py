@@ -156,11 +156,10 @@ def _quant_params(path: str, module: nn.Module, weights: Dict[str, mx.array]):
     return {"group_size": group_size, "bits": bits}
 
 
-def tokenizer_from_gguf(metadata: Dict[str, Any]) -> TokenizerWrapper:
-    """Byte-level BPE tokenizer from GGUF metadata (``tokenizer.ggml.model: gpt2``)."""
+def _bpe_from_gguf(metadata: Dict[str, Any]):
+    """The `tokenizers.Tokenizer` of GGUF metadata: byte-level BPE with its special and
+    user-defined tokens (``tokenizer.ggml.model: gpt2``)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers import processors
-    from transformers import PreTrainedTokenizerFast
 
     kind = _scalar(metadata, "tokenizer.ggml.model")
     pre = _scalar(metadata, "tokenizer.ggml.pre", "default")
@@ -181,22 +180,21 @@ def tokenizer_from_gguf(metadata: Dict[str, Any]) -> TokenizerWrapper:
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
-
     types = metadata["tokenizer.ggml.token_type"].tolist()
     tok.add_special_tokens(
-        [
-            AddedToken(t, special=True, normalized=False)
-            for t, k in zip(tokens, types)
-            if k == _CONTROL
-        ]
+        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
     )
-    tok.add_tokens(
-        [
-            AddedToken(t, normalized=False)
-            for t, k in zip(tokens, types)
-            if k == _USER_DEFINED
-        ]
-    )
+    tok.add_tokens([AddedToken(t, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
+    return tok
+
+
+def tokenizer_from_gguf(metadata: Dict[str, Any]) -> TokenizerWrapper:
+    """Byte-level BPE tokenizer from GGUF metadata (``tokenizer.ggml.model: gpt2``)."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _bpe_from_gguf(metadata)
+    tokens = metadata["tokenizer.ggml.tokens"]
 
     def token(key):
         i = _scalar(metadata, f"tokenizer.ggml.{key}_token_id", -1)

@@ -56,62 +56,68 @@ def timed(fn, repeats: int) -> float:
 # ---------------------------------------------------------------- per-layer update
 
 
+def _cache_call(cache, tok):
+    """One timed call: update `cache` with `tok` and evaluate what it returns."""
+    def go():
+        k, v = cache.update_and_fetch(tok, tok)
+        mx.eval(k, v)
+
+    return go
+
+
+def _core_call(fn, state):
+    """One timed call: state <- fn(state), evaluated."""
+    box = [state]
+
+    def go():
+        box[0] = fn(box[0])
+        mx.eval(box[0])
+
+    return go
+
+
+def _adapter_at(cfg, context, tok) -> H2OKVCache:
+    adapter = H2OKVCache(cfg)
+    adapter.update_and_fetch(context, context)
+    adapter.update_and_fetch(tok, tok)
+    mx.eval(adapter.core_state)
+    return adapter
+
+
+def _update_timings(cfg, budget: int, kv_bits: Optional[int], H: int, D: int, repeats: int) -> dict:
+    """Seconds per one-token update at `budget`: mlx-lm's caches, the core step, the adapter."""
+    context, tok = mx.random.normal((1, H, budget, D)), mx.random.normal((1, H, 1, D))
+    mx.eval(context, tok)
+    full = baselines.layer_cache(Baseline("full"))
+    full.update_and_fetch(context, context)
+    rot = baselines.layer_cache(Baseline("rotating", budget=budget, keep=cfg.n_sink))
+    rot.update_and_fetch(context, context)
+    for _ in range(2):
+        rot.update_and_fetch(tok, tok)
+    mx.eval(full.state, rot.keys)
+    adapter = _adapter_at(cfg, context, tok)
+    state, fast = adapter.core_state, compiled_step(cfg)
+    timings = {
+        "KVCache": timed(_cache_call(full, tok), repeats),
+        "RotatingKVCache": timed(_cache_call(rot, tok), repeats),
+        "H2O step (eager)": timed(_core_call(lambda s: step(s, tok, tok, cfg), state), repeats),
+        "H2O step (compiled)": timed(_core_call(lambda s: fast(s, tok, tok), state), repeats),
+        "H2OKVCache.update_and_fetch": timed(_cache_call(adapter, tok), repeats),
+    }
+    if kv_bits:
+        qcfg = cfg._replace(kv_bits=kv_bits)
+        qadapter, qfast = _adapter_at(qcfg, context, tok), compiled_step(qcfg)
+        timings[f"H2O step (compiled, {kv_bits}-bit)"] = timed(
+            _core_call(lambda s: qfast(s, tok, tok), qadapter.core_state), repeats)
+        timings[f"H2OKVCache.update_and_fetch ({kv_bits}-bit)"] = timed(_cache_call(qadapter, tok), repeats)
+    return timings
+
+
 def bench_update(configs, kv_bits: Optional[int], H=3, D=64, repeats=200) -> list:
     """`configs`: budget -> the key-scoring H2O config at that budget."""
     rows = []
-    rand = lambda n: mx.random.normal((1, H, n, D))
     for budget, cfg in configs.items():
-        context = rand(budget)
-        tok = rand(1)
-        mx.eval(context, tok)
-
-        full = baselines.layer_cache(Baseline("full"))
-        full.update_and_fetch(context, context)
-        rot = baselines.layer_cache(Baseline("rotating", budget=budget, keep=cfg.n_sink))
-        rot.update_and_fetch(context, context)
-        for _ in range(2):
-            rot.update_and_fetch(tok, tok)
-        mx.eval(full.state, rot.keys)
-
-        def adapter_at(c):
-            adapter = H2OKVCache(c)
-            adapter.update_and_fetch(context, context)
-            adapter.update_and_fetch(tok, tok)
-            mx.eval(adapter.core_state)
-            return adapter
-
-        def cache_call(cache):
-            def go():
-                k, v = cache.update_and_fetch(tok, tok)
-                mx.eval(k, v)
-
-            return go
-
-        def core_call(fn, state):
-            box = [state]
-
-            def go():
-                box[0] = fn(box[0])
-                mx.eval(box[0])
-
-            return go
-
-        adapter = adapter_at(cfg)
-        state, fast = adapter.core_state, compiled_step(cfg)
-        timings = {
-            "KVCache": timed(cache_call(full), repeats),
-            "RotatingKVCache": timed(cache_call(rot), repeats),
-            "H2O step (eager)": timed(core_call(lambda s: step(s, tok, tok, cfg), state), repeats),
-            "H2O step (compiled)": timed(core_call(lambda s: fast(s, tok, tok), state), repeats),
-            "H2OKVCache.update_and_fetch": timed(cache_call(adapter), repeats),
-        }
-        if kv_bits:
-            qcfg = cfg._replace(kv_bits=kv_bits)
-            qadapter = adapter_at(qcfg)
-            qfast = compiled_step(qcfg)
-            timings[f"H2O step (compiled, {kv_bits}-bit)"] = timed(
-                core_call(lambda s: qfast(s, tok, tok), qadapter.core_state), repeats)
-            timings[f"H2OKVCache.update_and_fetch ({kv_bits}-bit)"] = timed(cache_call(qadapter), repeats)
+        timings = _update_timings(cfg, budget, kv_bits, H, D, repeats)
         base = timings["KVCache"]
         for name, sec in timings.items():
             rows.append({"budget": budget, "cache": name, "us": sec * 1e6, "vs_kvcache": sec / base})

@@ -224,6 +224,72 @@ def answer_from_file(parser, args) -> None:
     report(r)
 
 
+def _budget_for_run(args, n_prompt: int) -> Optional[str]:
+    """Set args.budget when not given; with --demo, the sentence saying why it was chosen."""
+    if args.budget is not None:
+        return None
+    total = n_prompt + args.max_tokens
+    args.budget = demo_budget(total) if args.demo else DEFAULT_CONFIG.budget
+    if not args.demo:
+        return None
+    return (f"budget {args.budget} chosen for this demonstration: {n_prompt} prompt + "
+            f"{args.max_tokens} new tokens = {total}, {total / args.budget:.1f}x the budget, "
+            f"so H2O evicts about {total - args.budget} tokens per layer and head, one at a "
+            "time (give --budget to choose your own)")
+
+
+def _header(args, config, group, chosen: Optional[str]) -> None:
+    print(f"h2o-fn generate: {common.model_name(args.model)}")
+    print(f"H2O policy: {config}")
+    if group.size() > 1:
+        print(f"tensor parallel: {group.size()} ranks over mx.distributed; each evicts its own KV heads, "
+              "and KV bytes below are rank 0's share")
+    if chosen:
+        print(chosen)
+    print("=" * 10, flush=True)
+
+
+def _run_h2o(parser, args, model, tokenizer, ids, config) -> dict:
+    """Generate with H2O (inside `query_scoring(model)`); report it and the kept map."""
+    bits = f", {config.kv_bits}-bit" if config.kv_bits else ""
+    label = f"H2O {config.scoring} (budget {config.budget}{bits})"
+    budgets = allocation.budgets_for(model, args.allocation, config, tokenizer)
+    if budgets is not None:
+        print(f"per-layer budgets ({args.allocation}): {budgets}")
+    cache = make_h2o_cache(model, config, budgets=budgets)
+    kept_map = None
+    if args.kept_map is not None:
+        n = len(h2o_caches(cache))
+        args.kept_map_layer = n // 2 if args.kept_map_layer is None else args.kept_map_layer
+        if not 0 <= args.kept_map_layer < n:
+            parser.error(f"--kept-map-layer {args.kept_map_layer} is invalid: expected 0..{n - 1}")
+        kept_map = []
+    h2o = run_one(model, tokenizer, ids, cache, args, label, True, kept_map)
+    print("\n" + "=" * 10)
+    report(h2o)
+    if kept_map is not None:
+        from .plots import plot_kept
+
+        title = f"{label}, layer {args.kept_map_layer}, head 0"
+        plot_kept({title: kept_map}, args.kept_map)
+        print(f"kept-positions map: {args.kept_map}")
+    return h2o
+
+
+def _baselines(args, model, tokenizer, ids, config) -> List[dict]:
+    """The same prompt with mlx-lm's full and rotating caches (and quantized with --kv-bits)."""
+    others = [Baseline("full"), Baseline("rotating", budget=config.budget, keep=config.n_sink)]
+    if config.kv_bits:
+        others.append(Baseline("quantized", bits=config.kv_bits, group_size=config.kv_group_size))
+    rows = []
+    for spec in others:
+        r = run_one(model, tokenizer, ids, baselines.build(model, spec), args, spec.name, echo=False)
+        print(f"\n--- {spec.name} ---\n{r['text']}\n---")
+        report(r)
+        rows.append(r)
+    return rows
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
@@ -247,61 +313,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.stdout = sys.stderr = open(os.devnull, "w")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     ids = build_prompt(tokenizer, prompt, not args.ignore_chat_template, args.system_prompt)
-
-    chosen = None
-    if args.budget is None:
-        total = len(ids) + args.max_tokens
-        args.budget = demo_budget(total) if args.demo else DEFAULT_CONFIG.budget
-        if args.demo:
-            chosen = (f"budget {args.budget} chosen for this demonstration: {len(ids)} prompt + "
-                      f"{args.max_tokens} new tokens = {total}, {total / args.budget:.1f}x the budget, "
-                      f"so H2O evicts about {total - args.budget} tokens per layer and head, one at a "
-                      "time (give --budget to choose your own)")
+    chosen = _budget_for_run(args, len(ids))
     config = common.policy_or_error(parser, args, args.budget)
-
-    print(f"h2o-fn generate: {common.model_name(args.model)}")
-    print(f"H2O policy: {config}")
-    if group.size() > 1:
-        print(f"tensor parallel: {group.size()} ranks over mx.distributed; each evicts its own KV heads, "
-              "and KV bytes below are rank 0's share")
-    if chosen:
-        print(chosen)
-    print("=" * 10, flush=True)
-    bits = f", {config.kv_bits}-bit" if config.kv_bits else ""
-    label = f"H2O {config.scoring} (budget {config.budget}{bits})"
+    _header(args, config, group, chosen)
     with query_scoring(model):  # the hook lives for this command only (make_h2o_cache uses it)
-        budgets = allocation.budgets_for(model, args.allocation, config, tokenizer)
-        if budgets is not None:
-            print(f"per-layer budgets ({args.allocation}): {budgets}")
-        cache = make_h2o_cache(model, config, budgets=budgets)
-        kept_map = None
-        if args.kept_map is not None:
-            n = len(h2o_caches(cache))
-            args.kept_map_layer = n // 2 if args.kept_map_layer is None else args.kept_map_layer
-            if not 0 <= args.kept_map_layer < n:
-                parser.error(f"--kept-map-layer {args.kept_map_layer} is invalid: expected 0..{n - 1}")
-            kept_map = []
-        h2o = run_one(model, tokenizer, ids, cache, args, label, True, kept_map)
-        print("\n" + "=" * 10)
-        report(h2o)
-        if kept_map is not None:
-            from .plots import plot_kept
-
-            title = f"{label}, layer {args.kept_map_layer}, head 0"
-            plot_kept({title: kept_map}, args.kept_map)
-            print(f"kept-positions map: {args.kept_map}")
+        h2o = _run_h2o(parser, args, model, tokenizer, ids, config)
         if not args.compare:
             return
-        others = [Baseline("full"), Baseline("rotating", budget=config.budget, keep=config.n_sink)]
-        if config.kv_bits:
-            others.append(Baseline("quantized", bits=config.kv_bits, group_size=config.kv_group_size))
-        rows = [h2o]
-        for spec in others:
-            other = spec.name
-            r = run_one(model, tokenizer, ids, baselines.build(model, spec), args, other, echo=False)
-            print(f"\n--- {other} ---\n{r['text']}\n---")
-            report(r)
-            rows.append(r)
+        rows = [h2o] + _baselines(args, model, tokenizer, ids, config)
     print("\n" + "=" * 10)
     print(f"Summary: {len(ids)} prompt + up to {args.max_tokens} generated tokens"
           + (f"; budget {config.budget} chosen for this demonstration" if chosen else ""))
