@@ -500,8 +500,9 @@ def _chunk_weights(state, keys, chunk_store, config, weights, n_alive, first: in
         visible = visible & real
     if weights is None:
         k = _f32(keys if config.kv_bits is None else _dense(chunk_store, config))
-        stored = mx.concatenate([_f32(_dense(state.keys, config)), k], axis=2)
-        logits = (k @ stored.swapaxes(-1, -2)) * keys.shape[-1] ** -0.5
+        # slots and chunk apart: concatenating the keys would copy all C stored rows
+        logits = mx.concatenate([k @ _f32(_dense(state.keys, config)).swapaxes(-1, -2),
+                                 k @ k.swapaxes(-1, -2)], axis=-1) * keys.shape[-1] ** -0.5
         weights = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
     return clean_weights(mx.where(visible, weights, 0.0))
 
