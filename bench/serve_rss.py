@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from h2o_fn.adapters.cli.common import _coretype, openblas_path
+from h2o_fn.adapters.cli.common import openblas_coretype, openblas_path
 
 
 def start(flags):
@@ -32,7 +32,7 @@ def start(flags):
         port = s.getsockname()[1]
     env = dict(os.environ)
     if openblas_path():
-        env.update(LD_PRELOAD=openblas_path(), OPENBLAS_CORETYPE=env.get("OPENBLAS_CORETYPE", _coretype()))
+        env.update(LD_PRELOAD=openblas_path(), OPENBLAS_CORETYPE=env.get("OPENBLAS_CORETYPE", openblas_coretype()))
     proc = subprocess.Popen([sys.executable, "-m", "h2o_fn", "serve", "--host", "127.0.0.1", "--port", str(port),
                              *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     while True:

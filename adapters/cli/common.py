@@ -198,7 +198,9 @@ def openblas_path() -> Optional[str]:
     return found[0] if found else None
 
 
-def _coretype() -> str:
+def openblas_coretype() -> str:
+    """The OPENBLAS_CORETYPE this CPU takes: SkylakeX with AVX-512, else Haswell (a wrong one dies
+    with "Illegal instruction")."""
     try:
         with open("/proc/cpuinfo") as f:
             return "SkylakeX" if "avx512f" in f.read() else "Haswell"
@@ -212,7 +214,7 @@ def reexec_with_openblas(argv: List[str]) -> None:
     if sys.platform != "linux" or os.environ.get(FLAG) is not None or path is None:
         return
     env = dict(
-        os.environ, LD_PRELOAD=path, OPENBLAS_CORETYPE=os.environ.get("OPENBLAS_CORETYPE", _coretype())
+        os.environ, LD_PRELOAD=path, OPENBLAS_CORETYPE=os.environ.get("OPENBLAS_CORETYPE", openblas_coretype())
     )
     env[FLAG] = "1"
     os.execve(sys.executable, [sys.executable, "-m", "h2o_fn", *argv], env)
