@@ -128,9 +128,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "queries choose what stays)")
     parser.add_argument("--dequantize", action="store_true",
                         help="expand quantized weights to float32 (the same values, 4x the memory of 4-bit "
-                        "weights): on a CPU, mlx's quantized matmuls cost per token even in a prompt; with "
-                        "OpenBLAS preloaded a 512-token prompt step of the bundled model took 2.0-2.7 s here "
-                        "against 43-46 s quantized")
+                        "weights): on a CPU, mlx's quantized matmuls cost per token even in a prompt, so "
+                        "prompts are read far faster dequantized, most with OpenBLAS preloaded (README: serve)")
     parser.add_argument("--max-prompt-tokens", type=int, default=None,
                         help="the longest prompt a request may send, in tokens (default: the model's context, "
                         "e.g. 8192 for SmolLM2); a longer one is answered 413")
