@@ -123,7 +123,7 @@ def make_h2o_cache(
 
 
 def use_h2o(model: nn.Module, config: Optional[H2OConfig] = None,
-            budgets: Union[None, Sequence[int]] = None, argmin=protected_argmin):
+            budgets: Union[None, str, Sequence[int]] = None, argmin=protected_argmin):
     """Make H2O the cache mlx-lm builds for `model` everywhere: `make_prompt_cache(model)`,
     `batch_generate`, `BatchGenerator` and `mlx_lm.server` then get `make_h2o_cache`'s
     list (planned once: per-layer configs and the query-scoring probe are not redone).
@@ -170,7 +170,7 @@ def _budget_list(budgets, config: H2OConfig, n: int) -> Optional[List[int]]:
 
 
 def layer_configs(model: nn.Module, config: Optional[H2OConfig] = None,
-                  budgets: Union[None, Sequence[int]] = None, argmin=protected_argmin) -> List[H2OConfig]:
+                  budgets: Union[None, str, Sequence[int]] = None, argmin=protected_argmin) -> List[H2OConfig]:
     """The config of each H2O layer of `model`, in layer order (see `make_h2o_cache`):
     per-layer budgets applied, and key scoring where the hook cannot see the weights."""
     config = config or DEFAULT_CONFIG
