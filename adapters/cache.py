@@ -262,8 +262,7 @@ class H2OKVCache(_BaseCache):
         B, H = p.state.positions.shape[:2]
         N = 1 if p.keys is None else p.keys.shape[2]  # new tokens in the view
         M = self.scored_queries(N)
-        if weights.ndim != 4 or weights.shape[2] not in (M, N) or tuple(weights.shape) != (B, H, weights.shape[2],
-                                                                                          p.rows + N - 1):
+        if tuple(weights.shape) not in {(B, H, m, p.rows + N - 1) for m in (M, N)}:
             rows = f"{M} or {N}" if M < N else f"{N}"
             raise ValueError(f"weights shape {tuple(weights.shape)} is invalid: expected ({B}, {H}, {rows}, "
                              f"{p.rows + N - 1})")

@@ -176,21 +176,18 @@ class H2OModelProvider(serve_compat.FixedModelProvider):
         caches = make_prompt_cache(model)
         layers = h2o_caches(caches)
         budgets = [c.config.budget for c in layers]
-        log.info("H2O on %d of %d layers of %s: %s; budgets (%s) %s; %s", len(layers), len(caches),
+        log.info("H2O on %d of %d layers of %s: %s; budgets (%s) %s", len(layers), len(caches),
                  model_path, _policy(self.config), self.allocation,
-                 budgets if len(set(budgets)) > 1 else f"{budgets[0]} in every layer",
-                 "continuous batching" if all(hasattr(c, "merge") for c in caches) else
-                 "one request at a time (a layer's cache cannot merge)")
+                 budgets if len(set(budgets)) > 1 else f"{budgets[0]} in every layer")
         return model, tokenizer
 
     def limits(self) -> serve_requests.Limits:
         """What a request may ask of the loaded model (names, max_tokens, vocabulary)."""
-        path = self.model_key[0]
+        path, name = self.model_key[0], served_id(self.model_key[0])
         local = Path(path).expanduser()
         aliases = {path, local.name} | ({str(local.resolve())} if local.exists() else set())
-        aliases -= {served_id(path)}
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None) or len(self.tokenizer.vocab)
-        return serve_requests.Limits(served_id(path), tuple(sorted(aliases)), self.cli_args.max_tokens, int(vocab))
+        return serve_requests.Limits(name, tuple(sorted(aliases - {name})), self.cli_args.max_tokens, int(vocab))
 
     def context(self) -> Optional[int]:
         """The model's context (tokens), when its config states one."""
@@ -420,9 +417,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error(f"--max-prompt-tokens {args.max_prompt_tokens} is invalid: expected >= 1")
     if args.max_tokens < 1:
         parser.error(f"--max-tokens {args.max_tokens} is invalid: expected >= 1")
-    gone = serve_compat.missing()
-    if gone or mlx_version() != serve_compat.MLX_LM_VERSION:
-        log.warning("mlx-lm %s is installed; h2o-fn serve was written against %s%s", mlx_version(),
+    gone, installed = serve_compat.missing(), mlx_version()
+    if gone or installed != serve_compat.MLX_LM_VERSION:
+        log.warning("mlx-lm %s is installed; h2o-fn serve was written against %s%s", installed,
                     serve_compat.MLX_LM_VERSION, f" and misses: {'; '.join(gone)}" if gone else "")
     provider = H2OModelProvider(server_args(args, model), config, args.allocation)
     try:  # load here, so that a bad --model stops the command instead of the serving thread

@@ -286,6 +286,8 @@ class FixedModelProvider(mlx_server.ModelProvider):
         self.model, self.tokenizer = model, tokenizer
         self.processor, self.draft_model = None, None  # text only
         self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
+        log.info("%s: %s", model_path, "continuous batching" if self.is_batchable else
+                 "one request at a time (a layer's cache cannot merge)")
 
 
 def handler_class(base: type, limits: serve_requests.Limits) -> type:

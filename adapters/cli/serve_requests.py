@@ -254,13 +254,8 @@ def _optional(body, name, kind) -> None:
 
 
 def _show(x, limit: int = 60) -> str:
-    text = json.dumps(x) if _jsonable(x) else repr(x)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _jsonable(x) -> bool:
     try:
-        json.dumps(x)
-        return True
+        text = json.dumps(x)
     except (TypeError, ValueError, RecursionError):
-        return False
+        text = repr(x)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
