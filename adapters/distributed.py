@@ -12,7 +12,7 @@ per host with its ssh name and IPs).
 
 Example:
     >>> from h2o_fn.adapters.distributed import kv_heads, shard
-    >>> group = shard(model)          # doctest: +SKIP  (a no-op on one process)
+    >>> group = shard(model)  # a no-op on one process         # doctest: +SKIP
     >>> cache = make_h2o_cache(model, config)   # doctest: +SKIP
 """
 

@@ -10,10 +10,14 @@ interleaved RoPE, so the model uses ``rope_traditional=True`` instead of
 permuting them back.
 
 Example:
+    >>> import mlx_lm
+    >>> from h2o_fn.adapters.gguf import load_gguf
     >>> model, tokenizer = load_gguf()
     >>> prompt = tokenizer.apply_chat_template(
     ...     [{"role": "user", "content": "Hi"}], add_generation_prompt=True)
-    >>> mlx_lm.generate(model, tokenizer, prompt=prompt, max_tokens=20)
+    >>> len(model.layers)
+    30
+    >>> text = mlx_lm.generate(model, tokenizer, prompt=prompt, max_tokens=20)  # doctest: +SKIP
 """
 
 import importlib.util

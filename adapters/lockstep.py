@@ -37,16 +37,17 @@ from mlx_lm.models.cache import CacheList, _BaseCache
 
 from h2o_fn import H2OState, admit, storage, view
 
+from . import cache_state
 from .cache import BatchH2OKVCache, H2OKVCache
 
 
 class H2OFollower(_BaseCache):
     """The rows of one more cache of a layer, kept where its leader keeps its tokens."""
 
-    def __init__(self, leader: Optional[H2OKVCache] = None):
+    def __init__(self, leader: Optional[H2OKVCache] = None, keys=None, values=None, seen: Sequence[int] = ()):
         self.leader = leader
-        self.keys = self.values = None  # stores in the leader's slot layout, [B, H, C, D]
-        self._seen: List[int] = []
+        self.keys, self.values = keys, values  # stores in the leader's slot layout, [B, H, C, D]
+        self._seen: List[int] = list(seen)
         self._chunk = None  # (keys, values, positions) of the last chunk, to re-lay out
         self._view = None
 
@@ -66,11 +67,12 @@ class H2OFollower(_BaseCache):
             raise RuntimeError("an H2OFollower needs a leader: build it inside an H2OCacheList")
         B, H, N, _ = keys.shape
         seen = self._seen or [0] * B
-        led, lead_seen = lead.last_update(), lead.seen_rows()
+        lead_state = lead.layer_state
+        led, lead_seen = lead_state.last, list(lead_state.seen)
         if led is not None and led.seen == seen and lead_seen == [s + n for s, n in zip(seen, led.counts)]:
             step = led  # the leader took these tokens already
         elif (lead_seen or [0] * B) == seen:
-            step = lead.next_step(B, H, N)  # the leader takes them next, from its settled layout
+            step = cache_state.next_step(lead_state, lead.config, B, H, N)  # the leader takes them next, from its settled layout
         else:
             raise RuntimeError(
                 f"an H2O follower at {seen} tokens is out of step with its leader at "
@@ -105,10 +107,15 @@ class H2OFollower(_BaseCache):
             self.values = view.relayout(values, before, positions)
             self._chunk = None
 
-    def _settled(self) -> "H2OFollower":
+    def settled(self) -> "H2OFollower":
+        """This follower with its last chunk's rows moved to the leader's settled layout."""
         if self._chunk is not None:
             self._settle(self.leader.core_state.positions)
         return self
+
+    def seen_rows(self) -> List[int]:
+        """Tokens seen per batch row (empty before the first update)."""
+        return list(self._seen)
 
     def keys_and_values(self):
         if self._view is None:
@@ -133,14 +140,14 @@ class H2OFollower(_BaseCache):
 
     def trim(self, n: int) -> int:
         """Forget the n newest tokens (the leader frees their slots; the rows stay, stale)."""
-        self._settled()
+        self.settled()
         n = min(n, min(self._seen, default=0))
         self._seen = [s - n for s in self._seen]
         return n
 
     @property
     def state(self):
-        self._settled()
+        self.settled()
         return self.keys, self.values, mx.array(self._seen or [0], dtype=mx.int32), json.dumps(
             {"empty": self.keys is None})
 
@@ -155,14 +162,14 @@ class H2OFollower(_BaseCache):
 
     @classmethod
     def merge(cls, caches: Sequence["H2OFollower"]) -> "H2OFollower":
-        out = cls()
-        held = [c._settled() for c in caches if c.keys is not None]
-        if held:
-            like = held[0]
-            out.keys = mx.concatenate([_rows_or_zeros(c.keys, like.keys) for c in caches], axis=0)
-            out.values = mx.concatenate([_rows_or_zeros(c.values, like.values) for c in caches], axis=0)
-        out._seen = [s for c in caches for s in (c._seen or [0])]
-        return out
+        held = [c.settled() for c in caches if c.keys is not None]
+        seen = [s for c in caches for s in (c.seen_rows() or [0])]
+        if not held:
+            return cls(seen=seen)
+        like = held[0]
+        return cls(keys=mx.concatenate([_rows_or_zeros(c.keys, like.keys) for c in caches], axis=0),
+                   values=mx.concatenate([_rows_or_zeros(c.values, like.values) for c in caches], axis=0),
+                   seen=seen)
 
     def prepare(self, **kwargs):
         del kwargs  # the leader takes the padding; the follower reads its counts
@@ -171,25 +178,24 @@ class H2OFollower(_BaseCache):
         pass
 
     def filter(self, batch_indices):
-        self._settled()
+        self.settled()
         idx = [int(i) for i in batch_indices]
         if self.keys is not None:
             self.keys, self.values = self.keys[mx.array(idx)], self.values[mx.array(idx)]
         self._seen = [self._seen[i] for i in idx] if self._seen else []
 
     def extend(self, other: "H2OFollower"):
-        merged = H2OFollower.merge([*self._rows(), *other._rows()])
-        self.keys, self.values, self._seen = merged.keys, merged.values, merged._seen
+        merged = H2OFollower.merge([*self.rows(), *other.rows()])
+        self.keys, self.values, self._seen = merged.keys, merged.values, merged.seen_rows()
 
     def extract(self, idx: int) -> "H2OFollower":
-        self._settled()
-        out = H2OFollower()
-        if self.keys is not None:
-            out.keys, out.values = self.keys[idx : idx + 1], self.values[idx : idx + 1]
-            out._seen = [self._seen[idx]]
-        return out
+        self.settled()
+        if self.keys is None:
+            return H2OFollower()
+        return H2OFollower(keys=self.keys[idx : idx + 1], values=self.values[idx : idx + 1], seen=[self._seen[idx]])
 
-    def _rows(self) -> List["H2OFollower"]:
+    def rows(self) -> List["H2OFollower"]:
+        """Every row as a follower of its own."""
         return [self.extract(i) for i in range(len(self._seen))]
 
 
@@ -203,9 +209,10 @@ class H2OCacheList(CacheList):
 
     def __init__(self, *caches):
         super().__init__(*caches)
-        self._link()
+        self.link()
 
-    def _link(self) -> None:
+    def link(self) -> None:
+        """Point every follower at the leader (after load, merge and extract)."""
         caches = list(self.caches)
         leader = next((c for c in caches if isinstance(c, H2OKVCache)), None)
         for c in caches:
@@ -221,12 +228,12 @@ class H2OCacheList(CacheList):
     @state.setter
     def state(self, v):
         CacheList.state.fset(self, v)
-        self._link()
+        self.link()
 
     @classmethod
     def merge(cls, caches):
         out = super().merge(caches)
-        out._link()
+        out.link()
         return out
 
     def extract(self, idx):
@@ -234,11 +241,11 @@ class H2OCacheList(CacheList):
 
     def extend(self, other):
         super().extend(other)
-        self._link()
+        self.link()
 
     def filter(self, batch_indices):
         super().filter(batch_indices)
-        self._link()
+        self.link()
 
 
 # mlx-lm's load_prompt_cache (and CacheList's state setter) look classes up by name here

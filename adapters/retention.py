@@ -17,13 +17,13 @@ whatever the prompt's length. Layers that are not H2O (sliding-window caches) ta
 chunk as usual and read the repeat pass through a throwaway copy.
 
 Example:
-    >>> from h2o_fn import H2OConfig                                               # doctest: +SKIP
-    >>> from h2o_fn.adapters.gguf import load_gguf
-    >>> from h2o_fn.adapters.mlx_lm import cache_prompt, make_h2o_cache
-    >>> model, tokenizer = load_gguf()
-    >>> cache = make_h2o_cache(model, H2OConfig(budget=128))
-    >>> cache_prompt(model, tokenizer.encode(document), cache)   # at most 128 tokens per head
-    >>> mlx_lm.generate(model, tokenizer, question, prompt_cache=cache)
+    >>> from h2o_fn import H2OConfig                                                            # doctest: +SKIP
+    >>> from h2o_fn.adapters.gguf import load_gguf                                              # doctest: +SKIP
+    >>> from h2o_fn.adapters.mlx_lm import cache_prompt, make_h2o_cache                         # doctest: +SKIP
+    >>> model, tokenizer = load_gguf()                                                          # doctest: +SKIP
+    >>> cache = make_h2o_cache(model, H2OConfig(budget=128))                                    # doctest: +SKIP
+    >>> cache_prompt(model, tokenizer.encode(document), cache)   # at most 128 tokens per head  # doctest: +SKIP
+    >>> mlx_lm.generate(model, tokenizer, question, prompt_cache=cache)                         # doctest: +SKIP
 """
 
 import copy

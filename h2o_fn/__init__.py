@@ -1,8 +1,9 @@
 """h2o-fn: heavy-hitter (H2O) KV-cache eviction for MLX.
 
 The pure core: `init`, `step`, `absorb`, `evict`, `remap`, `kept_positions`
-over an immutable `H2OState`, configured by a validated `H2OConfig`, plus the
-attention view an adapter slices (`h2o_fn.view`). Adapters for mlx-lm live in
+over an immutable `H2OState`, configured by a validated `H2OConfig` (bound to its
+eviction op as one value by `policy`), plus the attention view an adapter slices
+(`h2o_fn.view`). Adapters for mlx-lm live in
 `h2o_fn.adapters`, the fused kernel op in `h2o_fn.metal_ops`; this package
 imports neither.
 
@@ -39,12 +40,14 @@ from .core import (
     step,
 )
 from .invariants import assert_invariants, check_invariants
+from .policy import Policy, policy
 from .rope import remap
 from .state import H2OState, state_nbytes
 
 __all__ = [
     "H2OConfig",
     "H2OState",
+    "Policy",
     "absorb",
     "absorb_scored",
     "accumulate",
@@ -60,6 +63,7 @@ __all__ = [
     "init",
     "kept_positions",
     "key_weights",
+    "policy",
     "pooled",
     "protected_argmin",
     "remap",

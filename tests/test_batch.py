@@ -72,7 +72,7 @@ def test_each_row_evicts_on_its_own_positions(model, scoring, prefill, kv_bits, 
         for a, b in zip(caches, alone):
             assert type(a) is H2OKVCache
             assert a.tokens_seen == b.tokens_seen == len(prompt) + len(ids)
-            a._flush(), b._flush()  # staged tokens scored in both (evict_every > 1)
+            a.flush(), b.flush()  # staged tokens scored in both (evict_every > 1)
             assert a.tokens_kept == cfg.budget and check_invariants(a.core_state, cfg) == []
             assert mx.array_equal(kept_positions(a.core_state), kept_positions(b.core_state))
             np.testing.assert_allclose(np.array(a.core_state.scores), np.array(b.core_state.scores),

@@ -44,7 +44,7 @@ def test_follower_rows_follow_the_leaders_positions(follower_first, scoring, pre
             w = mx.array(rng.random((1, 2, n, lk.shape[2])).astype(np.float32))
             lead.receive_weights(w)
         seen += n
-        follow._settled()
+        follow.settled()
         positions = np.array(lead.core_state.positions)
         rows = np.array(follow.keys)[..., 0]
         valid = positions >= 0

@@ -1,0 +1,328 @@
+"""CacheState: what one layer's H2O cache holds, and the pure transitions that move it.
+
+`H2OKVCache` (h2o_fn.adapters.cache) is a shell that keeps a `CacheState` and calls
+these functions; each takes a state (and the `Policy`) and returns a new one. The
+state is the core's `H2OState` plus what the mlx-lm protocol adds around it: Python
+mirrors of the per-row counts (so decoding never forces an evaluation), the tokens
+whose attention weights are awaited (`Pending`, query scoring), the decode tokens
+staged for `evict_every` (`staging.Staged`) and, in a batch, the real tokens still
+to come per row (right padding is never kept, scored or attended).
+
+Shapes: B batch rows, H KV heads, C = config.capacity slots, D head_dim, N new tokens.
+
+Example:
+    >>> import mlx.core as mx
+    >>> import h2o_fn
+    >>> from h2o_fn.adapters import cache_state
+    >>> p = h2o_fn.policy(h2o_fn.H2OConfig(budget=8, n_sink=1, grace=2))
+    >>> s = cache_state.CacheState()
+    >>> for _ in range(3):
+    ...     s, (k, v) = cache_state.update(s, p, mx.zeros((1, 2, 5, 16)), mx.zeros((1, 2, 5, 16)))
+    >>> s.lengths, s.seen, k.shape
+    ((8,), (15,), (1, 2, 13, 16))
+"""
+
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+
+from h2o_fn import H2OConfig, H2OState, Policy, core, retention, storage, view
+
+from . import staging
+
+
+class Pending(NamedTuple):
+    """Query scoring: what the weights of this forward pass complete."""
+
+    state: H2OState  # decode: the state with the token admitted; chunk: the state before it
+    keys: Optional[mx.array]  # [B, H, N, Dk] chunk tokens (None for one decode token)
+    values: Optional[mx.array]  # [B, H, N, Dv]
+    rows: int  # slots in the view (the weights cover rows + N - 1 columns)
+    alive: Optional[mx.array]  # decode: [B] bool; chunk: [B] int32 real tokens; None: all
+    staged: bool = False  # decode: a staged token (evict_every > 1), weights kept for the chunk
+
+
+class Step(NamedTuple):
+    """What one update started from, for caches that follow this one in lockstep."""
+
+    positions: mx.array  # [B, H, C] the slot layout the view was built on
+    seen: List[int]  # per row, tokens before the update
+    counts: List[int]  # per row, real tokens in the update
+    rows: int  # slots in the view
+
+
+class CacheState(NamedTuple):
+    core: Optional[H2OState] = None  # None until the first tokens fix B, H, D and the dtype
+    seen: Tuple[int, ...] = ()  # per row: tokens absorbed (the row's next position)
+    lengths: Tuple[int, ...] = ()  # per row: tokens kept (core length, staged tokens included)
+    pending: Optional[Pending] = None
+    staged: staging.Staged = staging.Staged()
+    to_come: Optional[Tuple[int, ...]] = None  # batch prompt: real tokens still to come per row
+    waiting: int = 0  # rows of a batch merged from caches that were all empty
+    rows: int = 0  # slots in the last view
+    followed: bool = False  # record `last` at each update (a lockstep leader)
+    last: Optional[Step] = None  # what the last update started from (when followed)
+
+
+def update(s: CacheState, policy: Policy, keys: mx.array, values: mx.array):
+    """Store `keys`/`values` `[B, H, N, D]`: (the new state, the view `[B, H, L, D]` for
+    attention, L = view rows + N)."""
+    if s.pending is not None:
+        raise RuntimeError(
+            "an H2O cache (scoring='query') got new tokens before the attention weights of the "
+            "previous ones: the attention hook is missing. Build the cache with "
+            "make_h2o_cache(model, config), which installs it."
+        )
+    cfg = policy.config
+    check(s, cfg, keys, values)
+    B, H, N, _ = keys.shape
+    if s.waiting and B != s.waiting:
+        raise ValueError(f"keys shape {tuple(keys.shape)} is invalid: this batch has {s.waiting} rows")
+    real = real_tokens(s, N)
+    alive = None if real is None else mx.array(real, dtype=mx.int32)
+    s = _started(s, policy, keys, values)._replace(
+        waiting=0, to_come=None if s.to_come is None else tuple(r - N for r in s.to_come))
+    if N > 1:  # a chunk after staged decode tokens: score those first
+        s = flush(s, policy)
+    before, rows = s, view.rows_for(s.lengths, cfg.capacity)
+    if N == 1 and cfg.evict_every > 1 and alive is None:
+        s, out = _stage(s, policy, keys, values, rows)
+    elif N == 1:
+        s, out = _decode(s, policy, keys, values, rows, None if alive is None else alive.astype(mx.bool_))
+    else:
+        s, out = _chunk(s, policy, keys, values, rows, alive)
+    counts = real or [N] * B
+    held = cfg.budget + len(s.staged.keys)
+    last = Step(before.core.positions, list(before.seen), counts, rows) if s.followed else None
+    return s._replace(seen=tuple(a + n for a, n in zip(s.seen, counts)), rows=rows, last=last,
+                      lengths=tuple(min(k + n, held) for k, n in zip(s.lengths, counts))), out
+
+
+def _decode(s, policy, keys, values, rows, alive):
+    if policy.config.scoring == "key":
+        state = policy.step(s.core, keys, values, None, alive)
+        return s._replace(core=state), view.view(state, rows)
+    admitted = policy.admit(s.core, keys, values, alive)  # the view reads the written row
+    return s._replace(pending=Pending(admitted, None, None, rows, alive)), view.view(admitted, rows)
+
+
+def _chunk(s, policy, keys, values, rows, alive):
+    out = view.chunk_view(s.core, keys, values, policy.config, rows)
+    if policy.config.scoring == "query":
+        return s._replace(pending=Pending(s.core, keys, values, rows, alive)), out
+    state = policy.absorb(s.core, keys, values, None, alive)
+    mx.eval(state)  # as in receive: one layer's chunk at a time
+    return s._replace(core=state), out
+
+
+def _stage(s, policy, keys, values, rows):
+    """evict_every = k > 1: admit a decode token unscored (`staging`)."""
+    admitted = policy.admit(s.core, keys, values)
+    s = s._replace(staged=staging.stage(s.staged, keys, values, s.seen))
+    if policy.config.scoring == "query":
+        return s._replace(pending=Pending(admitted, None, None, rows, None, staged=True)), view.view(admitted, rows)
+    s = s._replace(core=admitted)
+    return (flush(s, policy) if staging.full(s.staged, policy.config) else s), view.view(admitted, rows)
+
+
+def scored_queries(s: CacheState, config: H2OConfig, N: int) -> int:
+    """How many of the last tokens' N queries the awaited weights must cover: a prompt
+    chunk is scored by its last `window` queries only (`core.scored_queries`)."""
+    p = s.pending
+    if p is None or p.keys is None:
+        return N
+    return core.scored_queries(N, config, p.alive)
+
+
+def kv_heads(s: CacheState) -> int:
+    """KV heads of the stored rows (0 before the first tokens)."""
+    return 0 if s.core is None else s.core.positions.shape[1]
+
+
+def can_take(s: CacheState, keys) -> bool:
+    """Whether attention over `keys` (an array or a store) gives the awaited weights: the
+    rows last returned, on the state's KV heads (or any heads, when it holds one latent head)."""
+    k = storage.parts(keys)[0] if isinstance(keys, (tuple, list)) else keys
+    p, H = s.pending, kv_heads(s)
+    L = p.rows + (0 if p.keys is None else p.keys.shape[2] - 1)
+    return k.shape[2] == L and (k.shape[1] == H or H == 1)
+
+
+def receive(s: CacheState, policy: Policy, weights: mx.array) -> CacheState:
+    """The awaited attention weights `[B, H, M, L]` (GQA-reduced) over the rows last
+    returned, of the last M = `scored_queries(N)` queries: the pending update finished."""
+    p = s.pending
+    if p is None:
+        raise RuntimeError("an H2O cache got attention weights but has no tokens waiting")
+    B, H = p.state.positions.shape[:2]
+    N = 1 if p.keys is None else p.keys.shape[2]  # new tokens in the view
+    M = scored_queries(s, policy.config, N)
+    if tuple(weights.shape) not in {(B, H, m, p.rows + N - 1) for m in (M, N)}:
+        rows = f"{M} or {N}" if M < N else f"{N}"
+        raise ValueError(f"weights shape {tuple(weights.shape)} is invalid: expected ({B}, {H}, {rows}, "
+                         f"{p.rows + N - 1})")
+    s = s._replace(pending=None)
+    if p.staged:  # kept for the chunk that scores the staged tokens
+        s = s._replace(core=p.state, staged=staging.with_weights(s.staged, weights, p.state, policy.config))
+        return flush(s, policy) if staging.full(s.staged, policy.config) else s
+    if p.keys is None:
+        return s._replace(core=policy.settle(p.state, view.decode_weights(weights, p.state), p.alive))
+    state = policy.absorb(p.state, p.keys, p.values, view.view_weights(p.state, weights, p.rows), p.alive)
+    mx.eval(state)  # a chunk: left lazy, every layer's chunk rows would live until the pass ends
+    return s._replace(core=state)
+
+
+def flush(s: CacheState, policy: Policy) -> CacheState:
+    """The staged decode tokens scored and evicted now (before a chunk, a save, a merge)."""
+    if not s.staged.keys:
+        return s
+    require_settled(s, "flush")
+    budget = policy.config.budget
+    return s._replace(core=staging.flush(s.core, s.staged, policy), staged=staging.Staged(),
+                      lengths=tuple(min(k, budget) for k in s.lengths))
+
+
+def require_settled(s: CacheState, what: str) -> None:
+    """Raise unless every awaited attention weight has arrived."""
+    if s.pending is not None:
+        n = 1 if s.pending.keys is None else s.pending.keys.shape[2]
+        raise RuntimeError(
+            f"cannot {what} an H2O cache: the attention weights of its last {n} token(s) never "
+            "arrived (query scoring needs the attention hook; see make_h2o_cache)"
+        )
+
+
+def mask(s: CacheState, config: H2OConfig, N: int, return_array: bool = False):
+    """The attention mask of N new tokens over the view: None for one token of equal rows
+    (as mlx-lm's KVCache, even with return_array), causal over kept + N rows for a chunk,
+    and per row when the rows of a batch keep different counts."""
+    if len(set(s.lengths)) > 1:
+        rows = view.rows_for(s.lengths, config.capacity)
+        return view.view_mask(mx.array(s.lengths, dtype=mx.int32), rows, N)
+    if N == 1:
+        return None
+    return create_causal_mask(N, offset=max(s.lengths, default=0)) if return_array else "causal"
+
+
+def real_tokens(s: CacheState, N: int) -> Optional[List[int]]:
+    """Real tokens per row the next chunk of N has (None: all N)."""
+    if s.to_come is None:
+        return None
+    real = [max(0, min(N, r)) for r in s.to_come]
+    return None if real == [N] * len(real) else real
+
+
+def next_step(s: CacheState, config: H2OConfig, B: int, H: int, N: int) -> Step:
+    """What the next update of N tokens will start from (for a follower that takes its
+    tokens before the leader does): the settled layout, counts and view rows."""
+    require_settled(s, "lead")
+    if s.core is None:
+        positions, seen, lengths = mx.full((B, H, config.capacity), -1, dtype=mx.int32), [0] * B, [0] * B
+    else:
+        positions, seen, lengths = s.core.positions, list(s.seen), s.lengths
+    counts = real_tokens(s, N) or [N] * len(seen)
+    return Step(positions, seen, counts, view.rows_for(lengths, config.capacity))
+
+
+def trim(s: CacheState, n: int) -> Tuple[CacheState, int]:
+    """Forget the n newest tokens while nothing was evicted: (the state, tokens trimmed)."""
+    n = min(n, min(s.seen, default=0))
+    state = core.rewind(s.core, n) if n and s.core is not None else s.core
+    return s._replace(core=state, seen=tuple(a - n for a in s.seen), lengths=tuple(k - n for k in s.lengths)), n
+
+
+def absorb_scored(s: CacheState, policy: Policy, keys: mx.array, values: mx.array, scores: mx.array,
+                  rows: int) -> CacheState:
+    """A chunk `[B, H, N, D]` evicted down to budget by `scores` `[B, H, rows + N]` over the
+    first `rows` slots then the chunk (`retention.chunk_scores`, `core.absorb_scored`)."""
+    require_settled(s, "absorb a scored chunk")
+    check(s, policy.config, keys, values)
+    N, budget = keys.shape[2], policy.config.budget
+    s = _started(s, policy, keys, values)
+    state = core.absorb_scored(s.core, keys, values, retention.chunk_scores(s.core, scores, rows), policy.config)
+    return s._replace(core=state, seen=tuple(a + N for a in s.seen),
+                      lengths=tuple(min(k + N, budget) for k in s.lengths))
+
+
+def kept_rows(s: CacheState, config: H2OConfig) -> tuple:
+    """`(keys, values)` `[B, H, K, D]`: the first K = max length slots of each store, dense
+    (dequantized with kv_bits). After `view.compact` they are the kept tokens by position."""
+    K = max(s.lengths, default=0)
+    return tuple(storage.dense(storage.head(x, K), config.kv_bits, config.kv_group_size)
+                 for x in (s.core.keys, s.core.values))
+
+
+def take_rows(s: CacheState, idx: Sequence[int]) -> CacheState:
+    """Batch rows `idx` (in that order): state, staged tokens and their weights."""
+    if s.core is None:
+        return s._replace(waiting=len(idx))
+    rows, c = mx.array(list(idx)), s.core
+    state = H2OState(storage.select(c.keys, rows), storage.select(c.values, rows), *(x[rows] for x in c[2:]))
+    return s._replace(core=state, staged=staging.take(s.staged, rows), seen=tuple(s.seen[i] for i in idx),
+                      lengths=tuple(s.lengths[i] for i in idx),
+                      to_come=None if s.to_come is None else tuple(s.to_come[i] for i in idx))
+
+
+def stack(states: Sequence[CacheState], policy: Policy) -> CacheState:
+    """Settled single-prompt states as one batch, rows as they are (each keeps its length;
+    an empty one becomes an empty row)."""
+    held = [s.core for s in states if s.core is not None]
+    if not held:
+        return CacheState(waiting=len(states))
+    H, Dk, Dv = held[0].positions.shape[1], *(storage.width(x, policy.config.kv_bits) for x in held[0][:2])
+    dtype = storage.dtype_of(held[0].keys)
+    cores = [s.core if s.core is not None else policy.init(1, H, Dk, dtype, Dv) for s in states]
+    state = H2OState(storage.stack([c.keys for c in cores]), storage.stack([c.values for c in cores]),
+                     *(mx.concatenate([getattr(c, f) for c in cores], axis=0) for f in H2OState._fields[2:]))
+    return CacheState(state, tuple(a for s in states for a in (s.seen or (0,))),
+                      tuple(k for s in states for k in (s.lengths or (0,))))
+
+
+def to_arrays(s: CacheState) -> tuple:
+    """(keys, values, scores, positions, length, seen, staged keys, staged values, staged
+    weights, staged from): the core's arrays then `staging.to_arrays`, None when absent."""
+    require_settled(s, "save")
+    return (*((None,) * 6 if s.core is None else tuple(s.core)), *staging.to_arrays(s.staged))
+
+
+def from_arrays(arrays: Sequence) -> CacheState:
+    """The inverse of `to_arrays` (a store may come back as a list)."""
+    if arrays[0] is None:
+        return CacheState()
+    keys, values = (tuple(x) if isinstance(x, (list, tuple)) else x for x in arrays[:2])
+    state = H2OState(keys, values, *arrays[2:6])
+    return CacheState(state, tuple(state.seen.tolist()), tuple(state.length.tolist()),
+                      staged=staging.from_arrays(*arrays[6:10]))
+
+
+def _started(s: CacheState, policy: Policy, keys: mx.array, values: mx.array) -> CacheState:
+    """The empty state on the first tokens `[B, H, N, D]` (their dtype and widths)."""
+    if s.core is not None:
+        return s
+    B, H, _, D = keys.shape
+    return s._replace(core=policy.init(B, H, D, keys.dtype, values.shape[3]), seen=(0,) * B, lengths=(0,) * B)
+
+
+def check(s: CacheState, config: H2OConfig, keys: mx.array, values: mx.array) -> None:
+    """Raise unless `keys`/`values` `[B, H, N, D]` fit each other and the state."""
+    if keys.ndim != 4 or values.ndim != 4:
+        raise ValueError(f"keys/values of shapes {tuple(keys.shape)}/{tuple(values.shape)} are invalid: "
+                         "expected [B, H, N, D]")
+    if keys.shape[:3] != values.shape[:3]:
+        raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree: expected "
+                         "the same [B, H, N] (head_dim may differ)")
+    if keys.shape[2] == 0:
+        raise ValueError("empty chunk: expected N >= 1 new tokens")
+    if keys.dtype != values.dtype:
+        raise ValueError(f"keys dtype {keys.dtype} != values dtype {values.dtype}")
+    if s.core is None:
+        return
+    B, H = s.core.positions.shape[:2]
+    Dk, Dv = (storage.width(x, config.kv_bits) for x in (s.core.keys, s.core.values))
+    if (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]) != (B, H, Dk, Dv):
+        raise ValueError(f"keys/values shapes {tuple(keys.shape)}/{tuple(values.shape)} are invalid: this "
+                         f"cache holds [B={B}, H={H}, *, Dk={Dk}] / [.., Dv={Dv}] (fixed after the first call)")
+    dtype = storage.dtype_of(s.core.keys)
+    if keys.dtype != dtype:
+        raise ValueError(f"keys dtype {keys.dtype} is invalid: this cache holds {dtype}")

@@ -1,0 +1,97 @@
+"""Staged decode (`evict_every = k > 1`): decode tokens written unscored, judged k at a time.
+
+A wrapper around the core's state with a state of its own, as optax's `MultiSteps`
+wraps an optimizer: each decode token is admitted into a free slot (a row write; the
+attention view is as usual) and remembered in a `Staged`; once k are staged they are
+scored and evicted as one oneshot chunk (the prefill rule, `Policy.absorb`) from the
+state they were admitted onto, with their own attention weights for query scoring.
+
+Shapes: B batch rows, H KV heads, C = config.capacity slots, D head_dim, j staged tokens.
+
+Example:
+    >>> import mlx.core as mx
+    >>> import h2o_fn
+    >>> from h2o_fn.adapters import staging
+    >>> p = h2o_fn.policy(h2o_fn.H2OConfig(budget=4, n_sink=1, grace=1, evict_every=2))
+    >>> state, staged = p.init(1, 1, 8), staging.Staged()
+    >>> for t in range(6):
+    ...     kv = mx.ones((1, 1, 1, 8))
+    ...     staged = staging.stage(staged, kv, kv, [t])
+    ...     state = p.admit(state, kv, kv)
+    ...     if staging.full(staged, p.config):
+    ...         state, staged = staging.flush(state, staged, p), staging.Staged()
+    >>> state.length.tolist(), state.seen.tolist()
+    ([4], [6])
+"""
+
+from typing import NamedTuple, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from h2o_fn import H2OConfig, H2OState, Policy, core, view
+
+
+class Staged(NamedTuple):
+    """The decode tokens admitted since the last eviction, not yet scored."""
+
+    keys: Tuple[mx.array, ...] = ()  # each [B, H, 1, Dk]
+    values: Tuple[mx.array, ...] = ()  # each [B, H, 1, Dv]
+    weights: Tuple[mx.array, ...] = ()  # query scoring: each [B, H, 1, C + k] (view.staged_weights)
+    start: Optional[mx.array] = None  # [B] tokens seen when the first was staged
+
+
+def stage(staged: Staged, keys: mx.array, values: mx.array, seen: Sequence[int]) -> Staged:
+    """`staged` with one more decode token `[B, H, 1, D]`; `seen` per row, before it."""
+    start = mx.array(list(seen), dtype=mx.int32) if staged.start is None else staged.start
+    return staged._replace(keys=(*staged.keys, keys), values=(*staged.values, values), start=start)
+
+
+def with_weights(staged: Staged, weights: mx.array, admitted: H2OState, config: H2OConfig) -> Staged:
+    """`staged` with the last token's attention weights `[B, H, 1, rows]` over the view of
+    `admitted`, laid out as the row of the chunk that will score them."""
+    w = view.staged_weights(weights, admitted, staged.start, config.evict_every)
+    return staged._replace(weights=(*staged.weights, w))
+
+
+def full(staged: Staged, config: H2OConfig) -> bool:
+    """Whether `evict_every` tokens are staged (time to score them)."""
+    return len(staged.keys) == config.evict_every
+
+
+def chunk(staged: Staged) -> Tuple[mx.array, mx.array]:
+    """The staged tokens' keys and values `[B, H, j, D]`, as one chunk."""
+    return mx.concatenate(staged.keys, axis=2), mx.concatenate(staged.values, axis=2)
+
+
+def flush(state: H2OState, staged: Staged, policy: Policy) -> H2OState:
+    """`state` (the staged tokens admitted) with the staged tokens scored and evicted down
+    to budget as one chunk from the state before them (compiled: one trace per count)."""
+    base = core.rewind(state, len(staged.keys))
+    weights = None
+    if policy.config.scoring == "query":
+        weights = mx.concatenate(staged.weights, axis=2)[..., : policy.config.capacity + len(staged.keys)]
+    return policy.absorb(base, *chunk(staged), weights, compiled=True)
+
+
+def take(staged: Staged, rows: mx.array) -> Staged:
+    """Batch rows `rows` `[b]` of every staged array."""
+    return Staged(tuple(k[rows] for k in staged.keys), tuple(v[rows] for v in staged.values),
+                  tuple(w[rows] for w in staged.weights), None if staged.start is None else staged.start[rows])
+
+
+def to_arrays(staged: Staged) -> tuple:
+    """(keys, values, weights, start): `[B, H, j, D]` twice, `[B, H, j, C + k]` and `[B]`,
+    each None when absent (for a cache's `state`)."""
+    if not staged.keys:
+        return (None,) * 4
+    weights = mx.concatenate(staged.weights, axis=2) if staged.weights else None
+    return (*chunk(staged), weights, staged.start)
+
+
+def from_arrays(keys, values, weights, start) -> Staged:
+    """The inverse of `to_arrays`."""
+    if keys is None:
+        return Staged()
+    j = range(keys.shape[2])
+    return Staged(tuple(keys[:, :, i : i + 1] for i in j), tuple(values[:, :, i : i + 1] for i in j),
+                  () if weights is None else tuple(weights[:, :, i : i + 1] for i in j), start)

@@ -1,0 +1,72 @@
+"""Policy: an eviction policy as one value, the core's transitions bound to it.
+
+optax's `GradientTransformation` pairs `init` with `update`; a `Policy` pairs an
+`H2OConfig` with its eviction op (`argmin`) and offers the core's transitions with
+both bound: `init`, `step`, `admit`, `settle`, `absorb`. Decode-sized calls go
+through `mx.compile` (one trace per config, op and shape); `absorb` stays eager,
+since prompt chunks come in many lengths. A `Policy` holds no compiled function
+(they are looked up in the core's caches), so it pickles and deep-copies.
+
+Shapes: B batch rows, H KV heads, C = config.capacity slots, D head_dim, N chunk tokens.
+
+Example:
+    >>> import mlx.core as mx
+    >>> import h2o_fn
+    >>> p = h2o_fn.policy(h2o_fn.H2OConfig(budget=4, n_sink=1, grace=1))
+    >>> s = p.init(1, 1, 8)
+    >>> for _ in range(6):
+    ...     s = p.step(s, mx.ones((1, 1, 1, 8)), mx.ones((1, 1, 1, 8)))
+    >>> s.length.tolist(), s.seen.tolist()
+    ([4], [6])
+"""
+
+from typing import NamedTuple, Optional
+
+import mlx.core as mx
+
+from . import core
+from .config import H2OConfig
+from .state import H2OState
+
+
+class Policy(NamedTuple):
+    """`config` (the rule) and `argmin` (the op that picks each victim)."""
+
+    config: H2OConfig
+    argmin: core.Argmin = core.protected_argmin
+
+    def init(self, batch: int, n_heads: int, head_dim: int, dtype=mx.float16,
+             value_dim: Optional[int] = None) -> H2OState:
+        """An empty state `[B, H, C, D]` (`core.init`)."""
+        return core.init(self.config, batch, n_heads, head_dim, dtype, value_dim)
+
+    def step(self, state: H2OState, key: mx.array, value: mx.array, weights: Optional[mx.array] = None,
+             alive: Optional[mx.array] = None) -> H2OState:
+        """One token `[B, H, 1, D]`, compiled (`core.step`)."""
+        return core.compiled_step(self.config, self.argmin)(state, key, value, weights, alive)
+
+    def admit(self, state: H2OState, key: mx.array, value: mx.array,
+              alive: Optional[mx.array] = None) -> H2OState:
+        """Write one token `[B, H, 1, D]` unscored (`core.admit`; compiled when every row takes it)."""
+        if alive is None:
+            return core.compiled_admit(self.config)(state, key, value)
+        return core.admit(state, key, value, self.config, alive)
+
+    def settle(self, admitted: H2OState, weights: mx.array, alive: Optional[mx.array] = None) -> H2OState:
+        """Finish an admitted token's step with its weights `[B, H, C]`, compiled (`core.settle`)."""
+        return core.compiled_settle(self.config, self.argmin)(admitted, weights, alive)
+
+    def absorb(self, state: H2OState, keys: mx.array, values: mx.array, weights: Optional[mx.array] = None,
+               n_alive: Optional[mx.array] = None, compiled: bool = False) -> H2OState:
+        """A chunk `[B, H, N, D]` evicted down to budget (`core.absorb`). `compiled=True`
+        for chunks of one recurring length (one trace per length)."""
+        if compiled:
+            return core.compiled_absorb(self.config, self.argmin)(state, keys, values, weights, n_alive)
+        return core.absorb(state, keys, values, self.config, weights, self.argmin, n_alive)
+
+
+def policy(config: Optional[H2OConfig] = None, argmin: core.Argmin = core.protected_argmin) -> Policy:
+    """The `Policy` of `config` (default `H2OConfig()`) evicting with `argmin`."""
+    if config is not None and not isinstance(config, H2OConfig):
+        raise TypeError(f"config is a {type(config).__name__}: expected an H2OConfig")
+    return Policy(config or H2OConfig(), argmin)
