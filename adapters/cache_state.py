@@ -27,7 +27,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from h2o_fn import H2OConfig, H2OState, Policy, core, retention, storage, view
+from h2o_fn import H2OConfig, H2OState, Policy, core, prefill, retention, scoring, storage, view
 
 from . import staging
 
@@ -128,11 +128,11 @@ def _stage(s, policy, keys, values, rows):
 
 def scored_queries(s: CacheState, config: H2OConfig, N: int) -> int:
     """How many of the last tokens' N queries the awaited weights must cover: a prompt
-    chunk is scored by its last `window` queries only (`core.scored_queries`)."""
+    chunk is scored by its last `window` queries only (`scoring.scored_queries`)."""
     p = s.pending
     if p is None or p.keys is None:
         return N
-    return core.scored_queries(N, config, p.alive)
+    return scoring.scored_queries(N, config, p.alive)
 
 
 def kv_heads(s: CacheState) -> int:
@@ -235,12 +235,12 @@ def trim(s: CacheState, n: int) -> Tuple[CacheState, int]:
 def absorb_scored(s: CacheState, policy: Policy, keys: mx.array, values: mx.array, scores: mx.array,
                   rows: int) -> CacheState:
     """A chunk `[B, H, N, D]` evicted down to budget by `scores` `[B, H, rows + N]` over the
-    first `rows` slots then the chunk (`retention.chunk_scores`, `core.absorb_scored`)."""
+    first `rows` slots then the chunk (`retention.chunk_scores`, `prefill.absorb_scored`)."""
     require_settled(s, "absorb a scored chunk")
     check(s, policy.config, keys, values)
     N, budget = keys.shape[2], policy.config.budget
     s = _started(s, policy, keys, values)
-    state = core.absorb_scored(s.core, keys, values, retention.chunk_scores(s.core, scores, rows), policy.config)
+    state = prefill.absorb_scored(s.core, keys, values, retention.chunk_scores(s.core, scores, rows), policy.config)
     return s._replace(core=state, seen=tuple(a + N for a in s.seen),
                       lengths=tuple(min(k + N, budget) for k in s.lengths))
 

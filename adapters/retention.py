@@ -11,7 +11,7 @@ the model makes two passes:
    `h2o_fn.retention` (KVzip's rule: the largest weight any repeat query pays a key).
    The repeat tokens' own keys and values are thrown away.
 
-Then each H2O layer absorbs the chunk with those scores (`core.absorb_scored`) and is
+Then each H2O layer absorbs the chunk with those scores (`prefill.absorb_scored`) and is
 back at its budget. Peak KV memory: budget + one chunk + its repeat, per layer,
 whatever the prompt's length. Layers that are not H2O (sliding-window caches) take the
 chunk as usual and read the repeat pass through a throwaway copy.

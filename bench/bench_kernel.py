@@ -16,7 +16,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from h2o_fn import core
+from h2o_fn import rule
 from h2o_fn.metal_ops import evict
 
 SHAPES = [(1, 8, C) for C in (128, 512, 2048)] + [(4, 8, C) for C in (128, 512, 2048)]
@@ -40,7 +40,7 @@ def op(scores, positions, newest):
 
 
 def pure(scores, positions, newest):
-    return core.protected_argmin(scores, positions, newest, N_SINK, GRACE)
+    return rule.protected_argmin(scores, positions, newest, N_SINK, GRACE)
 
 
 def bench(fns, args, repeats, warmup):
@@ -66,7 +66,7 @@ def main():
     backend = ("metal" if mx.metal.is_available() else "cuda") if kernel is not None else None
     print(f"mlx {mx.__version__}, default device {mx.default_device()}")
     if kernel is not None and on_gpu:
-        print(f"op = fused {backend} kernel (dispatcher default); pure = h2o_fn.core.protected_argmin")
+        print(f"op = fused {backend} kernel (dispatcher default); pure = h2o_fn.rule.protected_argmin")
     else:
         print(
             f"kernel NOT available (mx.metal.is_available()={mx.metal.is_available()}, "

@@ -5,7 +5,7 @@
 #   bash bench/device_check.sh               # PYTHON=... to pick the interpreter
 #
 # For each shape it runs h2o_fn.metal_ops.protected_argmin with use_kernel=True
-# (the CUDA kernel) and the pure path h2o_fn.core.protected_argmin (on the GPU and
+# (the CUDA kernel) and the pure path h2o_fn.rule.protected_argmin (on the GPU and
 # on the CPU stream), on random tie-heavy inputs with NaN/+-inf/+-0 and free
 # slots, and prints whether the slots match bit for bit and the median per-call
 # times (eager and under mx.compile). It also runs core.compiled_step with the
@@ -23,7 +23,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from h2o_fn import H2OConfig, core
+from h2o_fn import H2OConfig, core, rule
 from h2o_fn.metal_ops import evict
 
 if not mx.cuda.is_available():
@@ -81,7 +81,7 @@ for B, H, C, n_sink, grace in SHAPES:
         return evict.protected_argmin(s, p, t, n_sink, grace, use_kernel=True)
 
     def pure(s, p, t, n_sink=n_sink, grace=grace):
-        return core.protected_argmin(s, p, t, n_sink, grace)
+        return rule.protected_argmin(s, p, t, n_sink, grace)
 
     match = True
     for seed in range(5):

@@ -19,26 +19,19 @@ Example:
 
 from .config import H2OConfig
 from .core import (
-    absorb,
-    absorb_scored,
-    accumulate,
     admit,
-    compiled_absorb,
     compiled_admit,
     compiled_settle,
     compiled_step,
-    evict,
-    evict_lowest,
     init,
     kept_positions,
-    key_weights,
-    pooled,
-    protected_argmin,
     rewind,
-    scored_queries,
     settle,
     step,
 )
+from .prefill import absorb, absorb_scored, compiled_absorb, pooled
+from .rule import evict, evict_lowest, protected_argmin
+from .scoring import accumulate, key_weights, scored_queries
 from .invariants import assert_invariants, check_invariants
 from .policy import Policy, policy
 from .rope import remap

@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
-from . import core
+from . import core, prefill, rule
 from .config import H2OConfig
 from .state import H2OState
 
@@ -33,7 +33,7 @@ class Policy(NamedTuple):
     """`config` (the rule) and `argmin` (the op that picks each victim)."""
 
     config: H2OConfig
-    argmin: core.Argmin = core.protected_argmin
+    argmin: rule.Argmin = rule.protected_argmin
 
     def init(self, batch: int, n_heads: int, head_dim: int, dtype=mx.float16,
              value_dim: Optional[int] = None) -> H2OState:
@@ -58,14 +58,14 @@ class Policy(NamedTuple):
 
     def absorb(self, state: H2OState, keys: mx.array, values: mx.array, weights: Optional[mx.array] = None,
                n_alive: Optional[mx.array] = None, compiled: bool = False) -> H2OState:
-        """A chunk `[B, H, N, D]` evicted down to budget (`core.absorb`). `compiled=True`
+        """A chunk `[B, H, N, D]` evicted down to budget (`prefill.absorb`). `compiled=True`
         for chunks of one recurring length (one trace per length)."""
         if compiled:
-            return core.compiled_absorb(self.config, self.argmin)(state, keys, values, weights, n_alive)
-        return core.absorb(state, keys, values, self.config, weights, self.argmin, n_alive)
+            return prefill.compiled_absorb(self.config, self.argmin)(state, keys, values, weights, n_alive)
+        return prefill.absorb(state, keys, values, self.config, weights, self.argmin, n_alive)
 
 
-def policy(config: Optional[H2OConfig] = None, argmin: core.Argmin = core.protected_argmin) -> Policy:
+def policy(config: Optional[H2OConfig] = None, argmin: rule.Argmin = rule.protected_argmin) -> Policy:
     """The `Policy` of `config` (default `H2OConfig()`) evicting with `argmin`."""
     if config is not None and not isinstance(config, H2OConfig):
         raise TypeError(f"config is a {type(config).__name__}: expected an H2OConfig")

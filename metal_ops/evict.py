@@ -4,7 +4,7 @@
 g++ (tests/test_kernel_harness.py). What differs per backend sits in a small
 header of macros: `METAL_HEADER`, `CUDA_HEADER`, tests/kernel_shim.h. The body
 only compares (no float arithmetic), so its slot choice is bit-identical to the
-pure path `h2o_fn.core.protected_argmin`, which is its spec.
+pure path `h2o_fn.rule.protected_argmin`, which is its spec.
 
 Kernel contract (one thread per (b, h) row, R = B * H rows of C slots):
   scores    `[R, C]` float32     (`scores_shape` = {R, C} is bound by MLX)
@@ -23,7 +23,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from h2o_fn import core
+from h2o_fn import rule
 
 NAME = "h2o_protected_argmin"
 INPUT_NAMES = ("scores", "positions", "bounds")
@@ -184,7 +184,7 @@ def protected_argmin(
 
     Returns:
       `[B, H]` int32 slot index, or -1 where no slot is evictable. Bit-identical to
-      `h2o_fn.core.protected_argmin`.
+      `h2o_fn.rule.protected_argmin`.
 
     Example:
         >>> import mlx.core as mx
@@ -209,5 +209,5 @@ def protected_argmin(
         kernel = available_kernel()
     if kernel is None:
         _check(scores, positions, newest)
-        return core.protected_argmin(scores, positions, newest, n_sink, grace)
+        return rule.protected_argmin(scores, positions, newest, n_sink, grace)
     return launch(kernel, scores, positions, newest, n_sink, grace)

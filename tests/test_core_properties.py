@@ -18,7 +18,7 @@ from h2o_fn import (
     scored_queries,
     step,
 )
-from h2o_fn.core import evict_lowest
+from h2o_fn.rule import evict_lowest
 
 from helpers import chunk_weights, core_weights, kept, same, scores
 from strategies import configs, make_stream, shapes, streams

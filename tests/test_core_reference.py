@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 import h2o_fn
 from h2o_fn import H2OConfig, absorb, assert_invariants, init, step
-from h2o_fn import core
+from h2o_fn import core, prefill, rule, scoring
 from h2o_fn import reference as ref
 
 from helpers import assert_matches, chunk_weights, core_weights, dequantized
@@ -254,18 +254,21 @@ def test_core_function_equals_its_reference_twin(name, data):
         assert got == want
 
 
+CORE_MODULES = (core, prefill, rule, scoring)  # the core's transitions, split by concern
+
+
 def test_every_core_function_has_a_reference_twin():
-    """Every public function of the core taking a state (or building one) has a reference
-    function of the same name and a row in TWINS."""
-    public = {n for n, f in inspect.getmembers(core, inspect.isfunction)
-              if not n.startswith("_") and f.__module__ == core.__name__}
-    on_states = {n for n in public
-                 if "state" in inspect.signature(getattr(core, n)).parameters or n == "init"
-                 or "admitted" in inspect.signature(getattr(core, n)).parameters}
+    """Every public function of the core's modules taking a state (or building one) has a
+    reference function of the same name and a row in TWINS."""
+    public = {n: f for m in CORE_MODULES for n, f in inspect.getmembers(m, inspect.isfunction)
+              if not n.startswith("_") and f.__module__ == m.__name__}
+    on_states = {n for n, f in public.items()
+                 if "state" in inspect.signature(f).parameters or n == "init"
+                 or "admitted" in inspect.signature(f).parameters}
     assert on_states == set(TWINS), (on_states, set(TWINS))
     for name in on_states:
         assert callable(getattr(ref, name)), name
-        core_params = list(inspect.signature(getattr(core, name)).parameters)
+        core_params = list(inspect.signature(public[name]).parameters)
         ref_params = list(inspect.signature(getattr(ref, name)).parameters)
         assert ref_params[: len(core_params)] == core_params, (name, core_params, ref_params)
 

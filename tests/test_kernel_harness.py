@@ -4,7 +4,7 @@ The exact body text that Metal and CUDA compile is wrapped in a per-thread
 function whose signature mirrors MLX's generated one (tests/kernel_shim.h
 supplies the built-ins), and an extern "C" launcher runs every thread of the
 grid, rounded up to whole threadgroups as CUDA does. Slot choices must be
-bit-identical to `h2o_fn.core.protected_argmin`, and no thread may write past
+bit-identical to `h2o_fn.rule.protected_argmin`, and no thread may write past
 the output (guard words after it must survive).
 """
 
@@ -23,7 +23,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from h2o_fn import H2OConfig, core
+from h2o_fn import H2OConfig, core, rule
 from h2o_fn.metal_ops import evict
 
 SHIM = Path(__file__).with_name("kernel_shim.h")
@@ -146,7 +146,7 @@ class HarnessKernel:
 
 
 def run_pure(case: Case) -> np.ndarray:
-    got = core.protected_argmin(
+    got = rule.protected_argmin(
         mx.array(case.scores), mx.array(case.positions),
         mx.array(case.newest, dtype=mx.int32), case.n_sink, case.grace,
     )

@@ -1,0 +1,315 @@
+"""Prefill: a chunk of N tokens absorbed at once, evicted down to budget.
+
+`absorb` (greedy: N exact steps; oneshot: one weight pass, then the lowest
+(score, position) unprotected tokens evicted together), `absorb_scored` (scores
+from a prompt-scoring pass) and `pooled` (SnapKV's spans). Shapes: B batch rows,
+H KV heads, C = config.capacity slots, D head_dim, N chunk tokens.
+
+Example:
+    >>> import mlx.core as mx
+    >>> from h2o_fn import H2OConfig, init
+    >>> from h2o_fn.prefill import absorb
+    >>> cfg = H2OConfig(budget=4, n_sink=1, grace=1)
+    >>> kv = mx.random.normal((1, 1, 9, 8))
+    >>> s = absorb(init(cfg, 1, 1, 8), kv, kv, cfg)
+    >>> s.length.tolist(), s.seen.tolist()
+    ([4], [9])
+"""
+
+import functools
+from typing import Optional
+
+import mlx.core as mx
+
+from . import storage
+from .arrays import INT32_MAX, as_dtype, dense, f32, knob, per_row, stored_rows
+from .checks import check_chunk, check_weights
+from .config import H2OConfig
+from .core import compiled_step
+from .rule import Argmin, evict_lowest, protected_argmin
+from .scoring import clean_weights
+from .state import H2OState
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_absorb(config: H2OConfig, argmin: Argmin = protected_argmin):
+    """`absorb` (oneshot prefill: no sync) under `mx.compile`: `fn(state, keys, values,
+    weights=None, n_alive=None)`, one trace per chunk length. Greedy prefill reads the
+    length back, so it is returned uncompiled."""
+    def chunk(state, keys, values, weights=None, n_alive=None):
+        return absorb(state, keys, values, config, weights, argmin, n_alive)
+
+    return chunk if config.prefill == "greedy" else mx.compile(chunk)
+
+
+def absorb(
+    state: H2OState,
+    keys: mx.array,
+    values: mx.array,
+    config: H2OConfig,
+    weights: Optional[mx.array] = None,
+    argmin: Argmin = protected_argmin,
+    n_alive: Optional[mx.array] = None,
+) -> H2OState:
+    """Absorb a chunk of N tokens `[B, H, N, D]`; the result holds at most `budget`.
+
+    Args:
+      weights: `[B, H, N, C + N]` attention weights of the chunk's queries, required
+        for `scoring="query"` and refused for "key". Column j < C is the token in
+        slot j of `state` (ignored where the slot is free); column C + i is chunk
+        token i (ignored where i > the query's own index). Those of the last
+        M = `scored_queries(N, config, n_alive)` queries alone, `[B, H, M, C + N]`,
+        are enough (the others do not score): memory linear in N, not quadratic.
+      n_alive: optional `[B]` int32: row b's first n_alive[b] tokens are real, the
+        rest is padding (never kept, never scored, decays nothing). Default: all N.
+
+    `config.prefill`:
+      "greedy": exactly N single-token steps (one weight pass while nothing can be
+        evicted, token by token after). Reads `state.length` once (one sync).
+      "oneshot": all weights at once (query i sees S and the chunk up to i), scores
+        s <- decay^n s + sum_i decay^(n-1-i) w_i (n = the row's real tokens), then the
+        lowest (score, position) unprotected tokens are evicted down to budget.
+        Survivors are stored sorted by position. Fixed shapes, no sync: compiles.
+        A chunk of more than `config.window` tokens (a prompt; every chunk when window is
+        0) is compressed as SnapKV does: with window > 0 it sums only its last `window`
+        queries' weights (the question), and with pool > 1 the eviction ranking (not the
+        stored score) takes the best score within +-pool//2 positions (`pooled`: spans
+        survive together). Greedy prefill ignores both: it has no chunk-level decision.
+
+    Example:
+        >>> import mlx.core as mx
+        >>> from h2o_fn import H2OConfig, init, absorb
+        >>> cfg = H2OConfig(budget=4, n_sink=1, grace=1)
+        >>> kv = mx.random.normal((2, 1, 6, 8))
+        >>> s = absorb(init(cfg, 2, 1, 8), kv, kv, cfg, n_alive=mx.array([6, 2]))
+        >>> s.length.tolist(), s.seen.tolist()
+        ([4, 2], [6, 2])
+    """
+    n = check_chunk(state, keys, values, config)
+    check_weights(state, keys, config, weights, n_alive)
+    if n_alive is not None and (n_alive.ndim != 1 or n_alive.shape[0] != keys.shape[0]):
+        raise ValueError(f"n_alive shape {tuple(n_alive.shape)} is invalid: expected [B={keys.shape[0]}]")
+    if config.prefill == "oneshot":
+        return _absorb_oneshot(state, keys, values, config, weights, n_alive)
+    return _absorb_greedy(state, keys, values, config, weights, argmin, n_alive, n)
+
+
+def _alive_mask(N: int, n_alive: Optional[mx.array]) -> Optional[mx.array]:
+    """`[B, 1, N]` bool: chunk token i of row b is real; None when every token is."""
+    return None if n_alive is None else (mx.arange(N) < n_alive[:, None])[:, None, :]
+
+
+def _chunk_weights(state, keys, chunk_store, config, weights, n_alive, first: int = 0) -> mx.array:
+    """`[B, H, N - first, C + N]` float32 weights of the chunk's queries first..N-1: slots
+    then chunk tokens (first > 0 only with query weights of those rows and no padding).
+
+    Key proxy: token i sees S and chunk tokens before it. Query: also itself.
+    Padding neither sees (its row is 0) nor is seen (its column is 0).
+    """
+    B, H, N, _ = keys.shape
+    C = state.positions.shape[-1]
+    M = N - first
+    row, col = mx.arange(first, N)[:, None], mx.arange(N)[None]
+    own = (col <= row) if weights is not None else (col < row)  # key proxy: not itself
+    visible = mx.concatenate(
+        [mx.broadcast_to((state.positions >= 0)[..., None, :], (B, H, M, C)),
+         mx.broadcast_to(own, (B, H, M, N))],
+        axis=-1,
+    )
+    alive = _alive_mask(N, n_alive)
+    if alive is not None:
+        real = alive[..., :, None] & mx.concatenate(
+            [mx.ones((B, 1, 1, C), dtype=mx.bool_), alive[..., None, :]], axis=-1)
+        visible = visible & real
+    if weights is None:
+        k = f32(keys if config.kv_bits is None else dense(chunk_store, config))
+        # slots and chunk apart: concatenating the keys would copy all C stored rows
+        logits = mx.concatenate([k @ f32(dense(state.keys, config)).swapaxes(-1, -2),
+                                 k @ k.swapaxes(-1, -2)], axis=-1) * keys.shape[-1] ** -0.5
+        weights = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
+    return clean_weights(mx.where(visible, weights, 0.0))
+
+
+def _decayed_sum(w: mx.array, decay: float, n_alive: Optional[mx.array], first: int = 0) -> mx.array:
+    """sum_i decay^(n-1-i) w[..., i - first, :] over i = first..N-1, for `w`
+    `[B, H, N - first, M]` -> `[B, H, M]`.
+
+    n = N, or per row n_alive (padding rows of `w` are 0 already)."""
+    N = first + w.shape[2]
+    last = knob(N - 1, mx.float32) if n_alive is None else per_row(n_alive - 1, 2)
+    exponent = mx.maximum(last - mx.arange(first, N, dtype=mx.float32), 0.0)  # [N - first] or [B, N - first]
+    powers = mx.power(knob(decay, mx.float32), f32(exponent))
+    powers = powers[:, None] if powers.ndim == 1 else powers[:, None, :, None]
+    return (powers * w).sum(axis=2)
+
+
+def pooled(scores: mx.array, positions: mx.array, pool: int) -> mx.array:
+    """Each held token's score raised to the highest score within +-pool//2 positions
+    (SnapKV's pooling: a span survives together). `[B, H, M]` in and out; free slots as given.
+
+    Example:
+        >>> import mlx.core as mx
+        >>> s = mx.array([[[0.1, 0.9, 0.2, 0.0]]])
+        >>> p = mx.array([[[3, 4, 6, -1]]], dtype=mx.int32)
+        >>> [round(x, 3) for x in pooled(s, p, 3)[0, 0].tolist()]  # 6 is 2 away from 4
+        [0.9, 0.9, 0.2, 0.0]
+    """
+    r = pool // 2
+    order = mx.argsort(mx.where(positions >= 0, positions, INT32_MAX), axis=-1)
+    s = mx.take_along_axis(scores, order, axis=-1)
+    p = mx.take_along_axis(positions, order, axis=-1)
+    s = mx.where(p >= 0, s, -mx.inf)
+    M = s.shape[-1]
+    best = s
+    for d in range(1, r + 1):
+        for shift in (d, -d):  # neighbours d slots away in position order
+            pad = [(0, 0)] * (s.ndim - 1) + ([(shift, 0)] if shift > 0 else [(0, -shift)])
+            lo, hi = (0, M) if shift > 0 else (-shift, M - shift)
+            near_s = mx.pad(s, pad, constant_values=-mx.inf)[..., lo:hi]
+            near_p = mx.pad(p, pad, constant_values=-INT32_MAX)[..., lo:hi]
+            best = mx.maximum(best, mx.where(mx.abs(near_p - p) <= knob(r), near_s, -mx.inf))
+    back = mx.take_along_axis(best, mx.argsort(order, axis=-1), axis=-1)
+    return mx.where(positions >= 0, back, scores)
+
+
+def _absorb_oneshot(state, keys, values, config, weights, n_alive) -> H2OState:
+    B, H, N, _ = keys.shape
+    real = mx.broadcast_to(knob(N), (B,)) if n_alive is None else as_dtype(n_alive, mx.int32)
+    chunk_keys = stored_rows(keys, state.keys, config)
+    first = 0 if weights is None else N - weights.shape[2]  # query weights of the last rows only
+    w = _chunk_weights(state, keys, chunk_keys, config, weights, n_alive, first)
+    long_chunk = N > config.window  # a prompt: scored by its last queries, ranked by spans
+    if config.window and long_chunk:
+        w = mx.where(mx.arange(first, N)[:, None] >= (real - knob(config.window))[:, None, None, None], w, 0.0)
+    mass = _decayed_sum(w, config.decay, n_alive, first)  # [B, H, C + N]
+    if n_alive is None:
+        faded = knob(config.decay ** N, mx.float32) * state.scores
+    else:
+        faded = state.scores * per_row(mx.power(knob(config.decay, mx.float32), f32(real)))
+    scores = mass + mx.concatenate([faded, mx.zeros((B, H, N))], axis=-1)
+    pool = None
+    if config.pool > 1 and long_chunk:  # a row is long by its real tokens, not the padded N
+        pool = real > knob(config.window)
+    return _keep_best(state, chunk_keys, stored_rows(values, state.values, config), scores, real, pool, config)
+
+
+def _keep_best(state, chunk_keys, chunk_values, scores, real, pool, config) -> H2OState:
+    """Admit a chunk (stored rows `[B, H, N, D]`, the first `real[b]` real) with `scores`
+    `[B, H, C + N]` (slots, then chunk tokens), evict the lowest (score, position)
+    unprotected down to budget, and store the survivors first, sorted by position.
+    `pool` `[B]` bool: rows whose ranking takes the best score within +-pool//2 positions
+    (None: no row)."""
+    B, H, N = scores.shape[0], scores.shape[1], scores.shape[2] - state.positions.shape[-1]
+    C = config.capacity
+    arange = mx.arange(N, dtype=mx.int32)
+    chunk_positions = mx.where(arange < real[:, None], state.seen[:, None] + arange, -1)  # [B, N]
+    positions = mx.concatenate(
+        [state.positions, mx.broadcast_to(chunk_positions[:, None], (B, H, N))], axis=-1
+    )
+    scores = mx.where(positions >= 0, scores, 0.0)
+    total = state.length + real
+    newest = state.seen + real - 1
+    rank = scores
+    if pool is not None:
+        rank = mx.where(per_row(pool), pooled(scores, positions, config.pool), scores)
+    budget = knob(config.budget)
+    gone = evict_lowest(rank, positions, total - budget, newest, config.n_sink, config.grace)
+    keep = (positions >= 0) & ~gone
+    order = mx.argsort(mx.where(keep, positions, INT32_MAX), axis=-1)[..., :C]  # survivors first
+    kept = mx.take_along_axis(keep, order, axis=-1)
+    return H2OState(
+        keys=storage.take(storage.concat(state.keys, chunk_keys), order),
+        values=storage.take(storage.concat(state.values, chunk_values), order),
+        scores=mx.where(kept, mx.take_along_axis(scores, order, axis=-1), 0.0),
+        positions=mx.where(kept, mx.take_along_axis(positions, order, axis=-1), -1),
+        length=mx.minimum(total, budget).astype(mx.int32),
+        seen=state.seen + real,
+    )
+
+
+def absorb_scored(state: H2OState, keys: mx.array, values: mx.array, scores: mx.array,
+                  config: H2OConfig) -> H2OState:
+    """Absorb a chunk `[B, H, N, D]` whose scores come from elsewhere (a prompt-scoring
+    pass such as `h2o_fn.retention`), then evict down to budget by the usual rule.
+
+    Args:
+      scores: `[B, H, C + N]` float32: column j < C is the new score of the token in slot
+        j of `state` (ignored where the slot is free), column C + i that of chunk token i.
+        Sanitised like weights (NaN, inf and negatives count as 0); nothing is decayed.
+
+    The lowest (score, position) unprotected tokens are evicted (sinks and the grace
+    window before the chunk's last position are protected; with `config.pool > 1` the
+    ranking takes the best score within +-pool//2 positions), and the survivors are
+    stored first, sorted by position. `config.scoring`, `prefill` and `window` do not
+    apply: the scores are given.
+
+    Example:
+        >>> import mlx.core as mx
+        >>> from h2o_fn import H2OConfig, init, absorb_scored, kept_positions
+        >>> cfg = H2OConfig(budget=3, n_sink=1, grace=1)
+        >>> kv = mx.zeros((1, 1, 6, 4))
+        >>> s = mx.array([[[0.0] * cfg.capacity + [0.0, 0.1, 0.9, 0.2, 0.3, 0.0]]])
+        >>> kept_positions(absorb_scored(init(cfg, 1, 1, 4), kv, kv, s, cfg))[0, 0].tolist()
+        [0, 2, 5, -1]
+    """
+    N = check_chunk(state, keys, values, config)
+    expected = (*keys.shape[:2], state.positions.shape[-1] + N)
+    if tuple(scores.shape) != expected:
+        raise ValueError(f"scores shape {tuple(scores.shape)} is invalid: expected {expected} "
+                         "(the state's slots, then the chunk's tokens)")
+    real = mx.broadcast_to(knob(N), (keys.shape[0],))
+    pool = mx.broadcast_to(mx.array(True), (keys.shape[0],)) if config.pool > 1 else None
+    return _keep_best(state, stored_rows(keys, state.keys, config), stored_rows(values, state.values, config),
+                      clean_weights(scores), real, pool, config)
+
+
+def _absorb_greedy(state, keys, values, config, weights, argmin, n_alive, N) -> H2OState:
+    C = config.capacity
+    lengths = state.length.tolist()
+    n0 = 0
+    if n_alive is None and len(set(lengths)) == 1:  # equal rows: one pass while none can evict
+        n0 = min(N, max(config.budget - lengths[0], 0))
+    if n0 > 0:  # rows written after the valid prefix
+        length = lengths[0]
+        w0 = None if weights is None else mx.concatenate(
+            [weights[:, :, :n0, :C], weights[:, :, :n0, C : C + n0]], axis=-1
+        )
+        head = keys[:, :, :n0]
+        chunk_keys = stored_rows(head, state.keys, config)
+        mass = _decayed_sum(_chunk_weights(state, head, chunk_keys, config, w0, None), config.decay, None)
+        scores = mx.where(state.positions >= 0, (config.decay ** n0) * state.scores + mass[..., :C], 0.0)
+        stop = length + n0
+        state = H2OState(
+            keys=storage.put(state.keys, chunk_keys, length),
+            values=storage.put(state.values, stored_rows(values[:, :, :n0], state.values, config), length),
+            scores=mx.concatenate([scores[..., :length], mass[..., C:], scores[..., stop:]], axis=-1),
+            positions=mx.concatenate(
+                [state.positions[..., :length],
+                 mx.broadcast_to((state.seen[:, None] + mx.arange(n0, dtype=mx.int32))[:, None],
+                                 (*keys.shape[:2], n0)),
+                 state.positions[..., stop:]],
+                axis=-1,
+            ),
+            length=state.length + n0,
+            seen=state.seen + n0,
+        )
+    one = compiled_step(config, argmin)
+    column = None
+    if weights is not None:  # which weight column holds each slot's token
+        slot = mx.arange(C)
+        start = lengths[0] if n0 else 0
+        column = mx.where(slot < start, slot, C + slot - start)
+        column = mx.broadcast_to(mx.where(slot < start + n0, column, slot), state.positions.shape)
+    for i in range(n0, N):
+        alive = None if n_alive is None else (i < n_alive)
+        w = None
+        if column is not None:
+            w = mx.concatenate([mx.take_along_axis(weights[:, :, i], column, axis=-1),
+                                weights[:, :, i, C + i : C + i + 1]], axis=-1)[:, :, None]
+        state = one(state, keys[:, :, i : i + 1], values[:, :, i : i + 1], w, alive)
+        if column is not None:
+            newest = (state.positions == per_row(state.seen) - 1)
+            if alive is not None:
+                newest = newest & per_row(alive)
+            column = mx.where(newest, C + i, column)
+    return state
