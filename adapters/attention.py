@@ -8,8 +8,9 @@ they do, never by their class:
 - a cache whose `wants_weights` is True gets the attention computed explicitly
   (same output as mlx-lm's fused or quantized path, within float tolerance) and its
   weights, averaged over the query heads that share each KV head (GQA), handed to
-  `cache.receive_weights(weights)` (a cache with `weights_reduce = "none"` gets every
-  query head's weights `[B, Hq, N, L]` and reduces them itself). A cache with
+  `cache.receive_weights(weights)`. A cache's own `weights_reduce` attribute, where it
+  has one, overrides the hook's reduction ("mean", "max"; "none": every query head's
+  weights `[B, Hq, N, L]`, reduced by the cache itself). A cache with
   `scored_queries(N)` = M < N (a prompt chunk scored by its last M queries) gets the
   weights of those M only, `[B, H, M, L]`, and the output from mlx-lm's own attention:
   memory linear in the chunk, not quadratic;

@@ -7,7 +7,7 @@
   context the same way except the repeat-pass rows, which compress it with
   `cache_prompt` (and "repeat-kvcache", which then re-lays it as plain KVCaches).
 
-Each cache is a spec from `evaluate.cache_specs` (family "repeat" for `cache_prompt`).
+Each cache is a spec from `quality.specs.cache_specs` (family "repeat" for `cache_prompt`).
 """
 
 import copy

@@ -1,0 +1,118 @@
+"""Retrieval: a pass key hidden in filler at several depths, asked for at the end, with the
+question inside the compressed prompt (query-aware) or after it (query-agnostic), plus
+cache_prompt's repeat-pass rows; several codes in one context compressed once and asked
+one by one (the protocols: `adapters/cli/retrieval.py`)."""
+
+import random
+from typing import Callable, List
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from ...metrics import PASSKEY_QUESTION, facts_prompt, passkey_prompt
+from ...retention import repeat_prefix
+from .. import common
+from ..retrieval import answer, answers_per_question, prefill
+from .specs import Run, build_cache, cache_specs, describe
+
+
+def retrieval_specs(run: Run) -> List[dict]:
+    """cache_specs at the retrieval budgets, plus cache_prompt's repeat-pass rows."""
+    specs = cache_specs(run, run.args.passkey_budgets, False)
+    for b in run.args.passkey_budgets:
+        specs.append({"name": f"H2O repeat (cache_prompt, chunk {run.args.repeat_chunk})", "family": "repeat",
+                      "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk})
+        specs.append({"name": "H2O repeat, saved as KVCache (re-rotated)", "family": "repeat-kvcache",
+                      "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk})
+    return [s for s in specs if s["family"] == "full" or s["family"] in run.args.caches]
+
+
+def _passkey_rows(run: Run, specs: List[dict], protocol: str, cases: list, prefix: List[int]) -> List[dict]:
+    model, tokenizer, depths = run.model, run.tokenizer, run.args.depths
+    question = tokenizer.encode(PASSKEY_QUESTION)
+    rows = []
+    for spec in specs:
+        hits, seconds = [], []
+        for _, key, ids in cases:
+            out, t = answer(model, spec, build_cache(model, spec), ids[: -len(question)], question, protocol, prefix)
+            hits.append(key in tokenizer.decode(out))
+            seconds.append(t)
+        by_depth = {str(d): sum(h for (dd, _, _), h in zip(cases, hits) if dd == d) / (len(cases) // len(depths))
+                    for d in depths}
+        rows.append({**describe(spec), "accuracy": sum(hits) / len(hits), "by_depth": by_depth,
+                     "seconds": sum(seconds) / len(seconds)})
+        print(f"passkey {protocol:8s} {spec['name']:38s} budget {str(spec['budget']):>5s}  "
+              f"{rows[-1]['accuracy']:.2f}  " + " ".join(f"{d}:{a:.2f}" for d, a in by_depth.items()), flush=True)
+    return rows
+
+
+def _facts_rows(run: Run, specs: List[dict], prefix: List[int]) -> dict:
+    args, model, tokenizer = run.args, run.model, run.tokenizer
+    rng = random.Random(1)
+    trials = [[str(rng.randint(10000, 99999)) for _ in range(args.facts)] for _ in range(args.facts_trials)]
+    prompts = [(codes, *facts_prompt(tokenizer, args.passkey_context, codes)) for codes in trials]
+    rows = []
+    for spec in specs:
+        hits = []
+        for codes, context, questions in prompts:
+            outs = answers_per_question(model, spec, build_cache(model, spec), context, questions, prefix)
+            hits += [code in tokenizer.decode(o) for code, o in zip(codes, outs)]
+        rows.append({**describe(spec), "found": sum(hits), "asked": len(hits)})
+        print(f"facts   {spec['name']:47s} budget {str(spec['budget']):>5s}  {sum(hits)}/{len(hits)}", flush=True)
+    return {"context": len(prompts[0][1]), "facts": args.facts, "trials": args.facts_trials, "rows": rows}
+
+
+def measure(run: Run) -> dict:
+    """pass-key retrieval, query-aware and query-agnostic; several facts asked one by one"""
+    args, model, tokenizer = run.args, run.model, run.tokenizer
+    rng = random.Random(0)
+    keys = [str(rng.randint(10000, 99999)) for _ in range(args.trials)]
+    cases = [(d, k, passkey_prompt(tokenizer, d, args.passkey_context, k)) for d in args.depths for k in keys]
+    prefix = repeat_prefix(tokenizer)
+    specs = retrieval_specs(run)
+    prefill(model, cases[0][2], make_prompt_cache(model))  # warm-up: the first timed prefill is not the slowest
+    protocols = {p: _passkey_rows(run, specs, p, cases, prefix) for p in args.protocols}
+    full = [s for s in specs if s["family"] == "full"]
+    facts = _facts_rows(run, full + [s for s in specs if s["budget"] == max(args.passkey_budgets)], prefix)
+    return {"command": run.command, "context": len(cases[0][2]), "depths": args.depths, "trials": args.trials,
+            "protocols": protocols, "facts": facts}
+
+
+PROTOCOL_TITLES = {
+    "aware": "query-aware (the question inside the compressed prompt)",
+    "agnostic": "query-agnostic (the context compressed first, then the question)",
+}
+
+
+def _per_cache(title: str, column: str, rows: List[dict], value: Callable[[dict], str], note: str) -> List[str]:
+    return common.section(title, f"cache:l | budget:r | {column}:r",
+                          [(row["name"], row["budget"] or "-", value(row)) for row in rows], None, [note])
+
+
+def render(r: dict) -> List[str]:
+    depths = [str(d) for d in r["depths"]]
+    if "protocols" not in r:  # a results file from before the two protocols
+        r = {**r, "protocols": {"aware": r["rows"]}}
+    out = []
+    for protocol, rows in r["protocols"].items():
+        full = next(row["seconds"] for row in rows if row["family"] == "full") if "seconds" in rows[0] else None
+        out += common.section(
+            f"Pass-key retrieval, {PROTOCOL_TITLES[protocol]}: {r['context']} tokens, depths {r['depths']}, "
+            f"{r['trials']} keys each",
+            "cache:l | budget:r | accuracy:r | " + " | ".join(f"depth {d}:r" for d in depths)
+            + " | reading the prompt, x full prefill:r",
+            [(row["name"], row["budget"] or "-", f"{row['accuracy']:.2f}",
+              *(f"{row['by_depth'][d]:.2f}" for d in depths),
+              f"{row['seconds'] / full:.2f}" if full else "-") for row in rows],
+            r["command"],
+            ["Accuracy: the share of pass keys found in the first 8 greedy tokens after the question. "
+             "Reading the prompt: mean seconds to read (and compress) what precedes the first decoded "
+             "token, as a multiple of the full KVCache's (its plain prefill), in the same run."],
+        )
+    if "facts" in r:
+        f = r["facts"]
+        out += _per_cache(f"Several facts, compressed once: {f['facts']} codes in {f['context']} tokens, "
+                          f"{f['trials']} contexts", "codes found", f["rows"],
+                          lambda row: f"{row['found']}/{row['asked']}",
+                          "Each context is read (compressed) once; each code is then asked from its own "
+                          "copy.deepcopy of the cache (query-agnostic).")
+    return out

@@ -1,0 +1,107 @@
+"""What every quality section shares: the run (model, tokenizer, flags, policy), the caches
+compared (specs: a name, a family, a budget and the H2O config where there is one) and
+how to build one."""
+
+from typing import List
+
+from h2o_fn import H2OConfig
+
+from ... import allocation
+from ...metrics import corpus_tokens
+from ...mlx_lm import h2o_layer_count, make_h2o_cache
+from .. import baselines, common
+from ..baselines import Baseline
+
+
+PROMPTS = [
+    "Explain photosynthesis in detail.",
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a computer's CPU executes a program, step by step.",
+    "What were the main causes of the French Revolution? Answer in detail.",
+]
+
+
+RETRIEVAL_FAMILIES = ("rotating", "h2o-key", "h2o-query", "repeat", "repeat-kvcache")
+
+
+class Run:
+    """What every section reads: the model, the tokenizer, the flags, and the policy."""
+
+    def __init__(self, model, tokenizer, args, parser, command: str):
+        self.model, self.tokenizer, self.args, self.parser = model, tokenizer, args, parser
+        self.command = command
+        self._tokens = None
+
+    def tokens(self) -> List[int]:
+        if self._tokens is None:
+            self._tokens = corpus_tokens(self.tokenizer, self.args.tokens, self.args.text_file)
+        return self._tokens
+
+    def policy(self, budget: int, **changes) -> H2OConfig:
+        return common.policy_or_error(self.parser, self.args, budget, **changes)
+
+    def budgets(self, policy: str, config: H2OConfig) -> List[int]:
+        """The per-layer budgets of an allocation policy at this config (spelled out)."""
+        return allocation.describe(allocation.budgets_for(self.model, policy, config, self.tokenizer),
+                                   config, h2o_layer_count(self.model))
+
+
+def h2o_name(scoring: str, cfg: H2OConfig, extra: str = "") -> str:
+    return f"H2O {scoring}{extra}" + (f" {cfg.kv_bits}-bit" if cfg.kv_bits else "")
+
+
+def cache_specs(run: Run, budgets: List[int], ablations: bool, prefills=("oneshot",),
+                allocations=()) -> List[dict]:
+    """Every cache to compare: name, family, budget, and the H2O config where there is one."""
+    specs = [{"name": "full KVCache", "family": "full", "budget": None}]
+    for b in budgets:
+        keep = run.policy(b).n_sink  # the baseline keeps as many first tokens as H2O's sinks
+        specs.append({"name": f"RotatingKVCache keep={keep}", "family": "rotating", "budget": b,
+                      "keep": keep})
+        for scoring in ("key", "query"):
+            for prefill in prefills:
+                cfg = run.policy(b, scoring=scoring, prefill=prefill)
+                extra = f" {prefill}" if len(prefills) > 1 else ""
+                specs.append({"name": h2o_name(scoring, cfg, extra), "family": f"h2o-{scoring}", "budget": b,
+                              "config": cfg})
+        for policy in allocations:  # per-layer budgets at the same bytes (true query, oneshot)
+            cfg = run.policy(b, scoring="query", prefill="oneshot")
+            specs.append({"name": f"H2O query {policy}", "family": "allocation", "budget": b, "config": cfg,
+                          "allocation": policy, "budgets": run.budgets(policy, cfg)})
+    if ablations:
+        b = budgets[min(1, len(budgets) - 1)]
+        for scoring in ("key", "query"):
+            base = run.policy(b, scoring=scoring)
+            for label, change in (
+                ("grace=0 decay=1 (Algorithm 1)", dict(n_sink=0, grace=0, decay=1.0)),
+                ("grace=0", dict(grace=0)),
+                ("decay=1", dict(decay=1.0)),
+            ):
+                specs.append({"name": f"H2O {scoring} {label}", "family": f"ablation-{scoring}", "budget": b,
+                              "config": base._replace(**change)})
+    return specs
+
+
+# the spec families that are mlx-lm baselines (ppl and retrieval name them by kind, the
+# frontier by class: its plot labels its series by family)
+BASELINE_FAMILIES = {"full": "full", "full KVCache": "full", "rotating": "rotating",
+                     "RotatingKVCache": "rotating", "QuantizedKVCache": "quantized"}
+
+
+def build_cache(model, spec: dict) -> list:
+    family = BASELINE_FAMILIES.get(spec["family"])
+    if family is not None:
+        return baselines.build(model, Baseline(family, budget=spec.get("budget"), keep=spec.get("keep", 0),
+                                               bits=spec.get("bits"), group_size=spec.get("group_size", 64)))
+    return make_h2o_cache(model, spec["config"], budgets=spec.get("budgets"))
+
+
+def describe(spec: dict) -> dict:
+    out = {k: v for k, v in spec.items() if k != "config"}
+    if "config" in spec:
+        out["config"] = spec["config"]._asdict()
+    return out
+
+
+def vs(ppl: float, full: float) -> str:
+    return f"{100 * (ppl / full - 1):+.1f}%"
