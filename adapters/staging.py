@@ -3,8 +3,8 @@
 A wrapper around the core's state with a state of its own, as optax's `MultiSteps`
 wraps an optimizer: each decode token is admitted into a free slot (a row write; the
 attention view is as usual) and remembered in a `Staged`; once k are staged they are
-scored and evicted as one oneshot chunk (the prefill rule, `Policy.absorb`) from the
-state they were admitted onto, with their own attention weights for query scoring.
+scored and evicted as one oneshot chunk (the prefill rule, `Policy.absorb_staged`) from
+the state they were admitted onto, with their own attention weights for query scoring.
 
 Shapes: B batch rows, H KV heads, C = config.capacity slots, D head_dim, j staged tokens.
 
@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from h2o_fn import H2OConfig, H2OState, Policy, core, view
+from h2o_fn import H2OConfig, H2OState, Policy, view
 
 
 class Staged(NamedTuple):
@@ -65,12 +65,12 @@ def chunk(staged: Staged) -> Tuple[mx.array, mx.array]:
 
 def flush(state: H2OState, staged: Staged, policy: Policy) -> H2OState:
     """`state` (the staged tokens admitted) with the staged tokens scored and evicted down
-    to budget as one chunk from the state before them (compiled: one trace per count)."""
-    base = core.rewind(state, len(staged.keys))
+    to budget as one chunk from the state before them (`Policy.absorb_staged`: the rows
+    stay in their slots; only survivors above budget move into the freed slots)."""
     weights = None
     if policy.config.scoring == "query":
         weights = mx.concatenate(staged.weights, axis=2)[..., : policy.config.capacity + len(staged.keys)]
-    return policy.absorb(base, *chunk(staged), weights, compiled=True)
+    return policy.absorb_staged(state, *chunk(staged), weights)
 
 
 def take(staged: Staged, rows: mx.array) -> Staged:

@@ -29,7 +29,7 @@ from .core import (
     settle,
     step,
 )
-from .prefill import absorb, absorb_scored, compiled_absorb, pooled
+from .prefill import absorb, absorb_scored, absorb_staged, compiled_absorb, compiled_absorb_staged, pooled
 from .rule import evict, evict_lowest, protected_argmin
 from .scoring import accumulate, key_weights, scored_queries
 from .invariants import assert_invariants, check_invariants
@@ -43,11 +43,13 @@ __all__ = [
     "Policy",
     "absorb",
     "absorb_scored",
+    "absorb_staged",
     "accumulate",
     "admit",
     "assert_invariants",
     "check_invariants",
     "compiled_absorb",
+    "compiled_absorb_staged",
     "compiled_admit",
     "compiled_settle",
     "compiled_step",

@@ -2,7 +2,7 @@
 
 optax's `GradientTransformation` pairs `init` with `update`; a `Policy` pairs an
 `H2OConfig` with its eviction op (`argmin`) and offers the core's transitions with
-both bound: `init`, `step`, `admit`, `settle`, `absorb`. Decode-sized calls go
+both bound: `init`, `step`, `admit`, `settle`, `absorb`, `absorb_staged`. Decode-sized calls go
 through `mx.compile` (one trace per config, op and shape); `absorb` stays eager,
 since prompt chunks come in many lengths. A `Policy` holds no compiled function
 (they are looked up in the core's caches), so it pickles and deep-copies.
@@ -63,6 +63,16 @@ class Policy(NamedTuple):
         if compiled:
             return prefill.compiled_absorb(self.config, self.argmin)(state, keys, values, weights, n_alive)
         return prefill.absorb(state, keys, values, self.config, weights, self.argmin, n_alive)
+
+
+    def absorb_staged(self, state: H2OState, keys: mx.array, values: mx.array,
+                      weights: Optional[mx.array] = None) -> H2OState:
+        """The state's N newest tokens `[B, H, N, D]`, admitted unscored, judged as one chunk:
+        `prefill.absorb_staged` (rows move only above budget; compiled) for oneshot prefill,
+        N exact steps from the state before them for greedy."""
+        if self.config.prefill == "greedy":
+            return self.absorb(core.rewind(state, keys.shape[2]), keys, values, weights)
+        return prefill.compiled_absorb_staged(self.config)(state, keys, values, weights)
 
 
 def policy(config: Optional[H2OConfig] = None, argmin: rule.Argmin = rule.protected_argmin) -> Policy:

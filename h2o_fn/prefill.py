@@ -25,7 +25,7 @@ from . import storage
 from .arrays import INT32_MAX, as_dtype, dense, f32, knob, per_row, stored_rows
 from .checks import check_chunk, check_weights
 from .config import H2OConfig
-from .core import compiled_step
+from .core import compiled_step, rewind
 from .rule import Argmin, evict_lowest, protected_argmin
 from .scoring import clean_weights
 from .state import H2OState
@@ -40,6 +40,13 @@ def compiled_absorb(config: H2OConfig, argmin: Argmin = protected_argmin):
         return absorb(state, keys, values, config, weights, argmin, n_alive)
 
     return chunk if config.prefill == "greedy" else mx.compile(chunk)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_absorb_staged(config: H2OConfig):
+    """`absorb_staged` under `mx.compile`: `fn(state, keys, values, weights=None)`, one trace
+    per number of staged tokens."""
+    return mx.compile(lambda state, keys, values, weights=None: absorb_staged(state, keys, values, config, weights))
 
 
 def absorb(
@@ -173,9 +180,16 @@ def pooled(scores: mx.array, positions: mx.array, pool: int) -> mx.array:
 
 
 def _absorb_oneshot(state, keys, values, config, weights, n_alive) -> H2OState:
+    chunk_keys = stored_rows(keys, state.keys, config)
+    scores, real, pool = _oneshot_scores(state, keys, chunk_keys, config, weights, n_alive)
+    return _keep_best(state, chunk_keys, stored_rows(values, state.values, config), scores, real, pool, config)
+
+
+def _oneshot_scores(state, keys, chunk_keys, config, weights, n_alive):
+    """(scores `[B, H, C + N]` of the slots then the chunk's tokens, real tokens `[B]`, the
+    rows ranked by pooled scores `[B]` bool or None): oneshot's rule, before any eviction."""
     B, H, N, _ = keys.shape
     real = mx.broadcast_to(knob(N), (B,)) if n_alive is None else as_dtype(n_alive, mx.int32)
-    chunk_keys = stored_rows(keys, state.keys, config)
     first = 0 if weights is None else N - weights.shape[2]  # query weights of the last rows only
     w = _chunk_weights(state, keys, chunk_keys, config, weights, n_alive, first)
     long_chunk = N > config.window  # a prompt: scored by its last queries, ranked by spans
@@ -186,11 +200,79 @@ def _absorb_oneshot(state, keys, values, config, weights, n_alive) -> H2OState:
         faded = knob(config.decay ** N, mx.float32) * state.scores
     else:
         faded = state.scores * per_row(mx.power(knob(config.decay, mx.float32), f32(real)))
-    scores = mass + mx.concatenate([faded, mx.zeros((B, H, N))], axis=-1)
     pool = None
     if config.pool > 1 and long_chunk:  # a row is long by its real tokens, not the padded N
         pool = real > knob(config.window)
-    return _keep_best(state, chunk_keys, stored_rows(values, state.values, config), scores, real, pool, config)
+    return mass + mx.concatenate([faded, mx.zeros((B, H, N))], axis=-1), real, pool
+
+
+def absorb_staged(state: H2OState, keys: mx.array, values: mx.array, config: H2OConfig,
+                  weights: Optional[mx.array] = None) -> H2OState:
+    """The N newest tokens of `state`, already admitted unscored (staged decode: `admit` N
+    times, `[B, H, N, D]` their keys and values), scored and evicted as the oneshot chunk
+    they are: the kept positions and scores of `absorb(rewind(state, N), keys, values)`.
+
+    Rows stay where they are: only survivors in slots >= budget move, into the slots
+    freed below it (at most C - budget rows written per (b, h), where `absorb` rewrites
+    all C), so the valid slots stay the prefix `[0, length)`, not sorted by position.
+    Needs every row's valid slots within `[0, length + 1)` before staging, as decode
+    steps and absorb leave them. `weights` as for `absorb` (scoring="query").
+
+    Example:
+        >>> import mlx.core as mx
+        >>> from h2o_fn import H2OConfig, admit, init, kept_positions
+        >>> from h2o_fn.prefill import absorb_staged
+        >>> cfg = H2OConfig(budget=4, n_sink=1, grace=1, evict_every=2)
+        >>> kv = mx.random.normal((1, 1, 6, 8))
+        >>> s = init(cfg, 1, 1, 8)
+        >>> for t in range(6):
+        ...     s = admit(s, kv[:, :, t : t + 1], kv[:, :, t : t + 1], cfg)
+        ...     if t % 2:
+        ...         s = absorb_staged(s, kv[:, :, t - 1 : t + 1], kv[:, :, t - 1 : t + 1], cfg)
+        >>> s.length.tolist(), (s.positions[0, 0] >= 0).tolist()
+        ([4], [True, True, True, True, False, False])
+    """
+    N = check_chunk(state, keys, values, config)
+    base = rewind(state, N)
+    check_weights(base, keys, config, weights)
+    scores, _, pool = _oneshot_scores(base, keys, stored_rows(keys, state.keys, config), config, weights, None)
+    C = state.positions.shape[-1]
+    staged = state.positions - per_row(base.seen)  # staged token i sits where this is i
+    chunk = mx.take_along_axis(scores[..., C:], mx.clip(staged, 0, N - 1), axis=-1)
+    slot_scores = mx.where(staged >= 0, chunk, scores[..., :C])
+    return _evict_in_place(state, mx.where(state.positions >= 0, slot_scores, 0.0), pool, config)
+
+
+def _evict_in_place(state, scores, pool, config) -> H2OState:
+    """`state` over budget (its new tokens admitted) with `scores` `[B, H, C]`: evict the
+    lowest (score, position) unprotected down to budget, then move the survivors of slots
+    >= budget into the freed slots below it (`storage.write`: those rows only)."""
+    positions, C, budget = state.positions, state.positions.shape[-1], config.budget
+    rank = scores if pool is None else mx.where(per_row(pool), pooled(scores, positions, config.pool), scores)
+    gone = evict_lowest(rank, positions, state.length - knob(budget), state.seen - 1, config.n_sink,
+                        config.grace, at_most=C - budget)
+    keep = (positions >= 0) & ~gone
+    length = mx.minimum(state.length, knob(budget)).astype(mx.int32)
+    hole = ~keep & (mx.arange(C) < per_row(length))  # [B, H, C]
+    mover = keep[..., budget:]  # [B, H, C - budget]: every kept row up there moves (length <= budget)
+    hole_rank, mover_rank = mx.cumsum(hole, axis=-1), mx.cumsum(mover, axis=-1)
+    match = hole[..., None, :] & (hole_rank[..., None, :] == mover_rank[..., :, None])  # [B, H, C - budget, C]
+    tail = mx.arange(budget, C, dtype=mx.int32)
+    dst = mx.where(mover, mx.argmax(match, axis=-1).astype(mx.int32), tail)[..., None]  # [B, H, C - budget, 1]
+    stays = keep & (mx.arange(C) < budget)
+
+    def moved(x, empty):
+        return mx.put_along_axis(mx.where(stays, x, empty), dst[..., 0], mx.where(mover, x[..., budget:], empty),
+                                 axis=-1)
+
+    return H2OState(
+        keys=storage.write(state.keys, dst, storage.rows_of(state.keys, budget)),
+        values=storage.write(state.values, dst, storage.rows_of(state.values, budget)),
+        scores=moved(scores, 0.0),
+        positions=moved(positions, -1),
+        length=length,
+        seen=state.seen,
+    )
 
 
 def _keep_best(state, chunk_keys, chunk_values, scores, real, pool, config) -> H2OState:

@@ -26,7 +26,7 @@ Example:
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 
@@ -268,6 +268,13 @@ def chunk_scores(state: RefState, scores, rows=None) -> List[List[dict]]:
             per_head.append(new)
         out.append(per_head)
     return out
+
+
+def absorb_staged(state: RefState, keys, values, config, weights=None) -> RefState:
+    """The N newest tokens of `state` (admitted, unscored) scored as one oneshot chunk from
+    the state before them; `weights` `[B, H, N, P]` by position."""
+    before = rewind(state, np.asarray(keys).shape[2])
+    return absorb(before, keys, values, config._replace(prefill="oneshot"), weights)
 
 
 def rewind(state: RefState, n: int) -> RefState:

@@ -12,7 +12,7 @@ Example:
     [[[False, True, True, False, False]]]
 """
 
-from typing import Callable
+from typing import Callable, Optional
 
 import mlx.core as mx
 
@@ -89,15 +89,22 @@ def _sort_key(scores: mx.array, positions: mx.array) -> mx.array:
 
 
 def evict_lowest(scores: mx.array, positions: mx.array, k: mx.array, newest: mx.array,
-                 n_sink: int, grace: int) -> mx.array:
+                 n_sink: int, grace: int, at_most: Optional[int] = None) -> mx.array:
     """Mask `[B, H, M]` of the k lowest (score, position) unprotected tokens per (b, h).
 
     `k` and `newest` are `[]` or per row `[B]`. Equals k successive `protected_argmin`
     evictions: removing a token never changes the other scores, so the i-th single
-    eviction takes the i-th lowest.
+    eviction takes the i-th lowest. `at_most`: a bound on every k known when tracing
+    (staged decode evicts at most evict_every), which selects with a partition and a sort
+    of `at_most` keys instead of two sorts of M.
     """
     candidate = evictable(positions, newest, n_sink, grace)
     last = mx.array(2**32 - 1, mx.uint32).astype(mx.uint64)
     key = mx.where(candidate, _sort_key(scores, positions), (last << 32) | last)
-    rank = mx.argsort(mx.argsort(key, axis=-1), axis=-1)
-    return candidate & (rank < per_row(k, positions.ndim))
+    if at_most is None or at_most >= key.shape[-1]:
+        rank = mx.argsort(mx.argsort(key, axis=-1), axis=-1)
+        return candidate & (rank < per_row(k, positions.ndim))
+    low = mx.argpartition(key, kth=at_most - 1, axis=-1)[..., :at_most]  # the at_most lowest, unordered
+    low = mx.take_along_axis(low, mx.argsort(mx.take_along_axis(key, low, axis=-1), axis=-1), axis=-1)
+    chosen = mx.broadcast_to(mx.arange(at_most) < per_row(k, positions.ndim), low.shape)
+    return candidate & mx.put_along_axis(mx.zeros(key.shape, mx.bool_), low, chosen, axis=-1)

@@ -126,7 +126,8 @@ def test_a_prompt_chunks_last_window_weights_are_enough(data):
 
 @given(st.data())
 def test_bottom_k_equals_k_single_evictions(data):
-    """evict_lowest(k) frees exactly what k successive protected_argmin calls free."""
+    """evict_lowest(k) frees exactly what k successive protected_argmin calls free, with
+    two sorts or with a partition of at most `at_most` >= k keys."""
     C = data.draw(st.integers(1, 40))
     n_sink, grace = data.draw(st.integers(0, 5)), data.draw(st.integers(0, 5))
     rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
@@ -146,6 +147,9 @@ def test_bottom_k_equals_k_single_evictions(data):
         positions = mx.array(np.where(gone, -1, p).astype(np.int32))
     batch = np.array(evict_lowest(mx.array(s), mx.array(p), mx.array(k), newest, n_sink, grace))
     assert (batch == gone).all()
+    at_most = data.draw(st.integers(max(k, 1), C))  # a partition of at_most >= k keys: the same mask
+    bounded = evict_lowest(mx.array(s), mx.array(p), mx.array(k), newest, n_sink, grace, at_most=at_most)
+    assert (np.array(bounded) == gone).all()
 
 
 @pytest.mark.parametrize("prefill", ["greedy", "oneshot"])

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import h2o_fn
-from h2o_fn import H2OConfig, absorb, assert_invariants, init, step
+from h2o_fn import H2OConfig, absorb, admit, assert_invariants, init, step
 from h2o_fn import core, prefill, rule, scoring
 from h2o_fn import reference as ref
 
@@ -205,6 +205,19 @@ def twin_absorb_scored(data, cfg):
     scores = mx.concatenate([_slot_weights(s, by_position), mx.array(chunk)], axis=-1)
     return (h2o_fn.absorb_scored(s, mx.array(k), mx.array(v), scores, cfg),
             ref.absorb_scored(r, as_stored(k, cfg), as_stored(v, cfg), by_position, cfg))
+
+
+def twin_absorb_staged(data, cfg):
+    shape, s, r = _prefix(data, cfg)
+    n = data.draw(st.integers(1, cfg.evict_every))  # the free slots staging may fill
+    k, v, w = _token(data, shape, n)
+    before = s
+    for i in range(n):
+        s = admit(s, mx.array(k[:, :, i : i + 1]), mx.array(v[:, :, i : i + 1]), cfg)
+        r = ref.admit(r, as_stored(k[:, :, i : i + 1], cfg), as_stored(v[:, :, i : i + 1], cfg), cfg)
+    cw = None if cfg.scoring == "key" else core_weights(before, w, cfg.capacity)
+    return (prefill.absorb_staged(s, mx.array(k), mx.array(v), cfg, cw),
+            ref.absorb_staged(r, as_stored(k, cfg), as_stored(v, cfg), cfg, None if cfg.scoring == "key" else w))
 
 
 def twin_rewind(data, cfg):

@@ -27,12 +27,14 @@ import mlx.core as mx
 
 from h2o_fn import (
     absorb,
+    absorb_staged,
     admit,
     compiled_step,
     evict,
     init,
     key_weights,
     protected_argmin,
+    rewind,
     step,
 )
 
@@ -156,12 +158,7 @@ def bench_profile(configs, layers=30, repeats=60) -> list:
         for name, part in parts.items():
             rows.append({"budget": budget, "part": name,
                          "us_per_layer": _chained(mx.compile(part), start, layers, repeats)})
-        k = 8  # evict_every = 8: seven staged steps (an admit each), then this chunk of 8
-        cfg8, tok8 = cfg._replace(evict_every=k), mx.random.normal((1, 3, k, 64))
-        start8 = absorb(init(cfg8, 1, 3, 64, mx.float32), ctx, ctx, cfg8)
-        chunk = _chained(mx.compile(lambda s: absorb(s, tok8, tok8, cfg8)), start8, layers, repeats)
-        rows.append({"budget": budget, "part": f"oneshot absorb of {k} staged tokens, per token",
-                     "us_per_layer": chunk / k})
+        rows += _staged_rows(cfg, ctx, budget, layers, repeats)
         held = []  # an extra reference to the keys: MLX must copy the cache instead of writing in place
         rows.append({
             "budget": budget,
@@ -175,6 +172,28 @@ def bench_profile(configs, layers=30, repeats=60) -> list:
             flush=True,
         )
     return rows
+
+
+def _staged_rows(cfg, ctx, budget: int, layers: int, repeats: int, k: int = 8) -> list:
+    """evict_every = k, per token: k admits (row writes) then the k judged as one chunk, in
+    place (`absorb_staged`, what the adapter runs) and by `absorb` from the state before
+    them (every row of the C slots rewritten), and that absorb alone."""
+    cfg8, tok8 = cfg._replace(evict_every=k), mx.random.normal((1, 3, k, 64))
+    start8 = absorb(init(cfg8, 1, 3, 64, mx.float32), ctx, ctx, cfg8)
+
+    def admitted(s):
+        for i in range(k):
+            s = admit(s, tok8[:, :, i : i + 1], tok8[:, :, i : i + 1], cfg8)
+        return s
+
+    parts = {
+        f"oneshot absorb of {k} staged tokens, per token": lambda s: absorb(s, tok8, tok8, cfg8),
+        f"{k} admits + absorb from before them, per token": lambda s: absorb(rewind(admitted(s), k), tok8, tok8,
+                                                                            cfg8),
+        f"{k} admits + absorb_staged (in place), per token": lambda s: absorb_staged(admitted(s), tok8, tok8, cfg8),
+    }
+    return [{"budget": budget, "part": name, "us_per_layer": _chained(mx.compile(fn), start8, layers, repeats) / k}
+            for name, fn in parts.items()]
 
 
 def _chained(fn, start, layers, repeats, hold=None) -> float:
