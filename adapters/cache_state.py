@@ -53,6 +53,9 @@ class Step(NamedTuple):
 
 
 class CacheState(NamedTuple):
+    """One layer's cache: the core's state and what mlx-lm's protocol needs around it (the
+    counts as Python ints, so reading them never forces an evaluation)."""
+
     core: Optional[H2OState] = None  # None until the first tokens fix B, H, D and the dtype
     seen: Tuple[int, ...] = ()  # per row: tokens absorbed (the row's next position)
     lengths: Tuple[int, ...] = ()  # per row: tokens kept (core length, staged tokens included)

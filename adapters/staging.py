@@ -24,6 +24,7 @@ Example:
     ([4], [6])
 """
 
+import functools
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -49,8 +50,18 @@ def stage(staged: Staged, keys: mx.array, values: mx.array, seen: Sequence[int])
 def with_weights(staged: Staged, weights: mx.array, admitted: H2OState, config: H2OConfig) -> Staged:
     """`staged` with the last token's attention weights `[B, H, 1, rows]` over the view of
     `admitted`, laid out as the row of the chunk that will score them."""
-    w = view.staged_weights(weights, admitted, staged.start, config.evict_every)
+    w = _compiled_staged_weights(config.evict_every)(weights, admitted.positions, staged.start)
     return staged._replace(weights=(*staged.weights, w))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_staged_weights(k: int):
+    """`view.staged_weights` as one compiled call (eager, its handful of small ops cost
+    more in dispatch than in arithmetic, once per layer and token)."""
+    def laid_out(weights, positions, start):
+        return view.staged_weights(weights, positions, start, k)
+
+    return mx.compile(laid_out)
 
 
 def full(staged: Staged, config: H2OConfig) -> bool:

@@ -114,16 +114,17 @@ def relayout(store: storage.Store, positions_from: mx.array, positions_to: mx.ar
     return storage.take(store, mx.argmax(found, axis=-1))
 
 
-def staged_weights(weights: mx.array, admitted: H2OState, base_seen: mx.array, k: int) -> mx.array:
-    """A staged decode token's weights `[B, H, 1, rows]` over the view of `admitted` (its
-    first rows slots, holding the kept tokens and the tokens staged so far) -> the row of
-    the core's `[B, H, 1, C + k]` chunk layout relative to the state before staging: slot
-    columns as they are (staged tokens' slots are free there, so ignored), and column C + i
-    the weight on the i-th staged token (position base_seen[b] + i; 0 if not staged yet)."""
-    C = admitted.positions.shape[-1]
+def staged_weights(weights: mx.array, positions: mx.array, base_seen: mx.array, k: int) -> mx.array:
+    """A staged decode token's weights `[B, H, 1, rows]` over the view of the state it was
+    admitted into (slot positions `[B, H, C]`; its first rows slots hold the kept tokens
+    and the tokens staged so far) -> the row of the core's `[B, H, 1, C + k]` chunk layout
+    relative to the state before staging: slot columns as they are (staged tokens' slots
+    are free there, so ignored), and column C + i the weight on the i-th staged token
+    (position base_seen[b] + i; 0 if not staged yet)."""
+    C = positions.shape[-1]
     slots = mx.pad(weights[:, :, 0], [(0, 0), (0, 0), (0, C - weights.shape[-1])])  # [B, H, C]
     target = base_seen[:, None, None] + mx.arange(k)  # [B, 1, k]
-    where = admitted.positions[..., None, :] == target[..., None]  # [B, H, k, C]
+    where = positions[..., None, :] == target[..., None]  # [B, H, k, C]
     staged = mx.sum(mx.where(where, slots[..., None, :], 0.0), axis=-1)  # [B, H, k]
     return mx.concatenate([slots, staged], axis=-1)[:, :, None]
 

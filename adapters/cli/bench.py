@@ -153,6 +153,8 @@ def bench_profile(configs, layers=30, repeats=60) -> list:
                 + protected_argmin(s.scores, s.positions, s.seen, cfg.n_sink, cfg.grace)[..., None]
             ),
             "evict (argmin + free the slot)": lambda s: evict(s._replace(length=s.length + 1), cfg),
+            "exp of C scores per KV head (the softmax's transcendental)": lambda s: s._replace(
+                scores=mx.exp(-s.scores)),
             "step": lambda s: step(s, tok, tok, cfg),
         }
         for name, part in parts.items():
