@@ -117,3 +117,38 @@ def test_importing_the_core_loads_no_adapter():
             "for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+SIZED = ("h2o_fn", "adapters", "metal_ops")
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make"}
+
+
+def test_no_class_over_200_lines_and_no_function_body_over_60():
+    """A newcomer reads a class on two screens and a function on one (issue 18)."""
+    big = []
+    for folder in SIZED:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 200:
+                    big.append(f"{path.relative_to(ROOT)}: class {node.name}")
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    body = node.body[1:] if ast.get_docstring(node) and len(node.body) > 1 else node.body
+                    if node.end_lineno - body[0].lineno + 1 > 60:
+                        big.append(f"{path.relative_to(ROOT)}: def {node.name}")
+    assert not big, big
+
+
+def test_no_module_reads_another_objects_private_attributes():
+    """`x._name` only on self/cls (NamedTuple's own API aside); mlx-lm's internals only in
+    the one compat module that names the version they were read from."""
+    found = []
+    for folder in SIZED:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.name == "serve_compat.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                        and not node.attr.startswith("__") and node.attr not in NAMEDTUPLE_API
+                        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert not found, found
