@@ -27,7 +27,7 @@ from .checks import check_chunk, check_weights
 from .config import H2OConfig
 from .core import compiled_step, rewind
 from .rule import Argmin, evict_lowest, protected_argmin
-from .scoring import clean_weights
+from .scoring import clean_weights, scored_queries
 from .state import H2OState
 
 
@@ -108,7 +108,8 @@ def _alive_mask(N: int, n_alive: Optional[mx.array]) -> Optional[mx.array]:
 
 def _chunk_weights(state, keys, chunk_store, config, weights, n_alive, first: int = 0) -> mx.array:
     """`[B, H, N - first, C + N]` float32 weights of the chunk's queries first..N-1: slots
-    then chunk tokens (first > 0 only with query weights of those rows and no padding).
+    then chunk tokens (first > 0 only without padding; with query scoring, `weights` are
+    those rows').
 
     Key proxy: token i sees S and chunk tokens before it. Query: also itself.
     Padding neither sees (its row is 0) nor is seen (its column is 0).
@@ -130,9 +131,10 @@ def _chunk_weights(state, keys, chunk_store, config, weights, n_alive, first: in
         visible = visible & real
     if weights is None:
         k = f32(keys if config.kv_bits is None else dense(chunk_store, config))
+        q = k[:, :, first:]
         # slots and chunk apart: concatenating the keys would copy all C stored rows
-        logits = mx.concatenate([k @ f32(dense(state.keys, config)).swapaxes(-1, -2),
-                                 k @ k.swapaxes(-1, -2)], axis=-1) * keys.shape[-1] ** -0.5
+        logits = mx.concatenate([q @ f32(dense(state.keys, config)).swapaxes(-1, -2),
+                                 q @ k.swapaxes(-1, -2)], axis=-1) * keys.shape[-1] ** -0.5
         weights = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
     return clean_weights(mx.where(visible, weights, 0.0))
 
@@ -190,7 +192,9 @@ def _oneshot_scores(state, keys, chunk_keys, config, weights, n_alive):
     rows ranked by pooled scores `[B]` bool or None): oneshot's rule, before any eviction."""
     B, H, N, _ = keys.shape
     real = mx.broadcast_to(knob(N), (B,)) if n_alive is None else as_dtype(n_alive, mx.int32)
-    first = 0 if weights is None else N - weights.shape[2]  # query weights of the last rows only
+    # only the last scored_queries rows score (a prompt's window): the key proxy computes
+    # no other row's weights, and query weights may cover those rows alone
+    first = N - (scored_queries(N, config, n_alive) if weights is None else weights.shape[2])
     w = _chunk_weights(state, keys, chunk_keys, config, weights, n_alive, first)
     long_chunk = N > config.window  # a prompt: scored by its last queries, ranked by spans
     if config.window and long_chunk:
