@@ -224,7 +224,7 @@ def absorb_staged(state: H2OState, keys: mx.array, values: mx.array, config: H2O
 
     Example:
         >>> import mlx.core as mx
-        >>> from h2o_fn import H2OConfig, admit, init, kept_positions
+        >>> from h2o_fn import H2OConfig, admit, init
         >>> from h2o_fn.prefill import absorb_staged
         >>> cfg = H2OConfig(budget=4, n_sink=1, grace=1, evict_every=2)
         >>> kv = mx.random.normal((1, 1, 6, 8))
