@@ -70,3 +70,32 @@ def test_configs_whose_numbers_run_together_get_their_own_kernels():
             eager = step(eager, k[:, :, t : t + 1], k[:, :, t : t + 1], cfg)
             lazy = fast(lazy, k[:, :, t : t + 1], k[:, :, t : t + 1])
         assert eager.positions.tolist() == lazy.positions.tolist(), cfg
+
+
+def test_a_policy_is_its_config_and_op_bound_and_copies_as_a_value():
+    """`h2o_fn.policy(config)`: its step is the compiled step of that config; it holds no
+    compiled function, so it pickles and deep-copies (a cache holding it does too)."""
+    import copy
+    import pickle
+
+    import pytest
+
+    from h2o_fn import Policy, policy
+
+    p = policy(CFG)
+    k = tokens(40)
+    a = b = p.init(2, 3, 16)
+    fast = compiled_step(CFG)
+    for t in range(40):
+        a = p.step(a, k[:, :, t : t + 1], k[:, :, t : t + 1])
+        b = fast(b, k[:, :, t : t + 1], k[:, :, t : t + 1])
+    assert all(mx.array_equal(x, y) for x, y in zip(a, b))
+    assert pickle.loads(pickle.dumps(p)) == p and copy.deepcopy(p) == p and isinstance(p, Policy)
+    with pytest.raises(TypeError, match="expected an H2OConfig"):
+        policy({"budget": 32})
+    from h2o_fn.adapters.cache import H2OKVCache
+
+    cache = H2OKVCache(CFG._replace(scoring="key"))
+    cache.update_and_fetch(k[:, :, :40], k[:, :, :40])
+    twin = copy.deepcopy(cache)
+    assert twin.policy == cache.policy and twin.tokens_seen == 40 and twin.tokens_kept == cache.tokens_kept
