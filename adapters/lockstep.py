@@ -72,7 +72,8 @@ class H2OFollower(_BaseCache):
         if led is not None and led.seen == seen and lead_seen == [s + n for s, n in zip(seen, led.counts)]:
             step = led  # the leader took these tokens already
         elif (lead_seen or [0] * B) == seen:
-            step = cache_state.next_step(lead_state, lead.config, B, H, N)  # the leader takes them next, from its settled layout
+            # the leader takes them next, from its settled layout
+            step = cache_state.next_step(lead_state, lead.config, B, H, N)
         else:
             raise RuntimeError(
                 f"an H2O follower at {seen} tokens is out of step with its leader at "

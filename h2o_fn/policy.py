@@ -57,13 +57,9 @@ class Policy(NamedTuple):
         return core.compiled_settle(self.config, self.argmin)(admitted, weights, alive)
 
     def absorb(self, state: H2OState, keys: mx.array, values: mx.array, weights: Optional[mx.array] = None,
-               n_alive: Optional[mx.array] = None, compiled: bool = False) -> H2OState:
-        """A chunk `[B, H, N, D]` evicted down to budget (`prefill.absorb`). `compiled=True`
-        for chunks of one recurring length (one trace per length)."""
-        if compiled:
-            return prefill.compiled_absorb(self.config, self.argmin)(state, keys, values, weights, n_alive)
+               n_alive: Optional[mx.array] = None) -> H2OState:
+        """A chunk `[B, H, N, D]` evicted down to budget (`prefill.absorb`, eager)."""
         return prefill.absorb(state, keys, values, self.config, weights, self.argmin, n_alive)
-
 
     def absorb_staged(self, state: H2OState, keys: mx.array, values: mx.array,
                       weights: Optional[mx.array] = None) -> H2OState:

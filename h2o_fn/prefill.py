@@ -247,15 +247,22 @@ def absorb_staged(state: H2OState, keys: mx.array, values: mx.array, config: H2O
     return _evict_in_place(state, mx.where(state.positions >= 0, slot_scores, 0.0), pool, config)
 
 
+def _survivors(scores, positions, total, newest, pool, config, at_most=None) -> mx.array:
+    """`[B, H, M]` bool: the held tokens that stay when rows of `total` `[B]` tokens are
+    evicted down to budget by the lowest (score, position) unprotected (`evict_lowest`);
+    rows where `pool` `[B]` is True rank by `pooled` scores."""
+    rank = scores if pool is None else mx.where(per_row(pool), pooled(scores, positions, config.pool), scores)
+    gone = evict_lowest(rank, positions, total - knob(config.budget), newest, config.n_sink, config.grace,
+                        at_most=at_most)
+    return (positions >= 0) & ~gone
+
+
 def _evict_in_place(state, scores, pool, config) -> H2OState:
     """`state` over budget (its new tokens admitted) with `scores` `[B, H, C]`: evict the
     lowest (score, position) unprotected down to budget, then move the survivors of slots
     >= budget into the freed slots below it (`storage.write`: those rows only)."""
     positions, C, budget = state.positions, state.positions.shape[-1], config.budget
-    rank = scores if pool is None else mx.where(per_row(pool), pooled(scores, positions, config.pool), scores)
-    gone = evict_lowest(rank, positions, state.length - knob(budget), state.seen - 1, config.n_sink,
-                        config.grace, at_most=C - budget)
-    keep = (positions >= 0) & ~gone
+    keep = _survivors(scores, positions, state.length, state.seen - 1, pool, config, at_most=C - budget)
     length = mx.minimum(state.length, knob(budget)).astype(mx.int32)
     hole = ~keep & (mx.arange(C) < per_row(length))  # [B, H, C]
     mover = keep[..., budget:]  # [B, H, C - budget]: every kept row up there moves (length <= budget)
@@ -294,13 +301,8 @@ def _keep_best(state, chunk_keys, chunk_values, scores, real, pool, config) -> H
     )
     scores = mx.where(positions >= 0, scores, 0.0)
     total = state.length + real
-    newest = state.seen + real - 1
-    rank = scores
-    if pool is not None:
-        rank = mx.where(per_row(pool), pooled(scores, positions, config.pool), scores)
     budget = knob(config.budget)
-    gone = evict_lowest(rank, positions, total - budget, newest, config.n_sink, config.grace)
-    keep = (positions >= 0) & ~gone
+    keep = _survivors(scores, positions, total, state.seen + real - 1, pool, config)
     order = mx.argsort(mx.where(keep, positions, INT32_MAX), axis=-1)[..., :C]  # survivors first
     kept = mx.take_along_axis(keep, order, axis=-1)
     return H2OState(

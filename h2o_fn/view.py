@@ -100,7 +100,11 @@ def view_weights(state: H2OState, weights: mx.array, rows: int) -> mx.array:
 def decode_weights(weights: mx.array, admitted: H2OState) -> mx.array:
     """Weights `[B, H, 1, rows]` over the decode view of `admitted` (its first rows
     slots) -> `[B, H, C]` over its slots, for `settle`."""
-    C = admitted.positions.shape[-1]
+    return _over_slots(weights, admitted.positions.shape[-1])
+
+
+def _over_slots(weights: mx.array, C: int) -> mx.array:
+    """`[B, H, 1, rows]` weights over a view's first rows slots -> `[B, H, C]` (0 beyond)."""
     return mx.pad(weights[:, :, 0], [(0, 0), (0, 0), (0, C - weights.shape[-1])])
 
 
@@ -121,8 +125,7 @@ def staged_weights(weights: mx.array, positions: mx.array, base_seen: mx.array, 
     relative to the state before staging: slot columns as they are (staged tokens' slots
     are free there, so ignored), and column C + i the weight on the i-th staged token
     (position base_seen[b] + i; 0 if not staged yet)."""
-    C = positions.shape[-1]
-    slots = mx.pad(weights[:, :, 0], [(0, 0), (0, 0), (0, C - weights.shape[-1])])  # [B, H, C]
+    slots = _over_slots(weights, positions.shape[-1])  # [B, H, C]
     target = base_seen[:, None, None] + mx.arange(k)  # [B, 1, k]
     where = positions[..., None, :] == target[..., None]  # [B, H, k, C]
     staged = mx.sum(mx.where(where, slots[..., None, :], 0.0), axis=-1)  # [B, H, k]

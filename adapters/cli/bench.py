@@ -393,7 +393,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192],
                         help="context lengths before decode (default 1024 4096 8192)")
     parser.add_argument("--steps", type=int, default=32,
-                        help="decode steps timed per row, after 8 untimed (mean; a multiple of each K of --evict-every-rows)")
+                        help="decode steps timed per row, after 8 untimed (mean; a multiple of each K of "
+                        "--evict-every-rows)")
     parser.add_argument("--evict-every-rows", type=int, nargs="*", default=[8], metavar="K",
                         help="extra decode rows with H2O scoring decode tokens K at a time (evict_every; "
                         "default 8)")
