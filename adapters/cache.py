@@ -28,7 +28,6 @@ Example:
     (8, 15, (1, 2, 13, 16))
 """
 
-import json
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
@@ -57,21 +56,22 @@ class H2OKVCache(_BaseCache):
     Args:
       config: the eviction policy (default `DEFAULT_CONFIG`: true-query scoring, which
         needs the attention hook: `make_h2o_cache` installs it).
-      argmin: the eviction op: `h2o_fn.metal_ops.protected_argmin` by default (the
-        fused kernel on an Apple or NVIDIA GPU, the core's pure MLX path elsewhere).
+      argmin: the eviction op (`h2o_fn.metal_ops.protected_argmin`: the fused kernel on a GPU).
       state: what the cache starts from (default: empty).
+      evict_every: decode tokens judged at a time, k (`staging`: budget + k slots; default 1).
     """
 
     step = 256  # mlx-lm's KVCache growth step; H2O allocates its C slots once
 
     def __init__(self, config: Optional[H2OConfig] = None, argmin=protected_argmin,
-                 state: CacheState = CacheState()):
+                 state: Optional[CacheState] = None, evict_every: Optional[int] = None):
         self.policy = Policy(config or DEFAULT_CONFIG, argmin)
-        self._s = state
+        self._s = _starting(state, evict_every)
         self._view = None  # what the last update returned (for layers that share this KV)
 
     config = property(lambda self: self.policy.config)
     argmin = property(lambda self: self.policy.argmin)
+    evict_every = property(lambda self: self._s.every, doc="Decode tokens judged at a time.")
 
     # ------------------------------------------------------------ mlx-lm protocol
 
@@ -146,10 +146,8 @@ class H2OKVCache(_BaseCache):
         self._view = None
         return n
 
-    @property
-    def meta_state(self) -> str:
-        """The config as JSON: what `state` cannot hold as arrays."""
-        return json.dumps(self.config._asdict())
+    meta_state = property(lambda self: cache_state.meta(self._s, self.config),
+                          doc="The config and evict_every as JSON: what `state` cannot hold as arrays.")
 
     @property
     def state(self):
@@ -161,7 +159,8 @@ class H2OKVCache(_BaseCache):
     @state.setter
     def state(self, v):
         *arrays, meta = v
-        self.__init__(H2OConfig(**json.loads(meta)), state=cache_state.from_arrays(arrays))
+        config, state = cache_state.from_meta(arrays, meta)
+        self.__init__(config, state=state)
 
     @classmethod
     def merge(cls, caches: Sequence["H2OKVCache"]) -> "BatchH2OKVCache":
@@ -261,10 +260,23 @@ def _one_policy(caches: Sequence[H2OKVCache]) -> Policy:
             f"cannot batch H2O caches with {strangers}: build every prompt cache with "
             "make_h2o_cache(model, ...), or call use_h2o(model, ...) so that mlx-lm builds them"
         )
-    configs = {c.config for c in caches}
+    configs = {(c.config, c.evict_every) for c in caches}
     if len(configs) != 1:
-        raise ValueError(f"cannot merge H2O caches of different configs: {sorted(map(str, configs))}")
+        raise ValueError(f"cannot merge H2O caches of different configs (config, evict_every): "
+                         f"{sorted(map(str, configs))}")
     return caches[0].policy
+
+
+def _starting(state: Optional[CacheState], evict_every: Optional[int]) -> CacheState:
+    """The state a cache starts from: `state`, or an empty one judging `evict_every` at a time."""
+    if evict_every is not None and (isinstance(evict_every, bool) or not isinstance(evict_every, int)
+                                    or evict_every < 1):
+        raise ValueError(f"evict_every={evict_every!r} is invalid: expected an int >= 1 (1: every token)")
+    if state is None:
+        return CacheState(every=evict_every or 1)
+    if evict_every is not None and evict_every != state.every:
+        raise ValueError(f"evict_every={evict_every} disagrees with the state's {state.every}")
+    return state
 
 
 class BatchH2OKVCache(H2OKVCache):
@@ -305,8 +317,9 @@ class BatchH2OKVCache(H2OKVCache):
 
     def extend(self, other: "BatchH2OKVCache"):
         """Append the rows of `other` (same config)."""
-        if other.config != self.config:
-            raise ValueError(f"cannot extend a batch of {self.config} with one of {other.config}")
+        if (other.config, other.evict_every) != (self.config, self.evict_every):
+            raise ValueError(f"cannot extend a batch of {self.config} (evict_every {self.evict_every}) with one "
+                             f"of {other.config} (evict_every {other.evict_every})")
         rows = [r.settled("extend") for c in (self, other) for r in c.rows()]
         self._s = cache_state.stack(rows, self.policy)._replace(followed=self._s.followed)
         self._view = None
@@ -315,7 +328,8 @@ class BatchH2OKVCache(H2OKVCache):
         """Row `idx` as a single-prompt cache (its staged decode tokens stay staged)."""
         cache_state.require_settled(self._s, "extract")
         row = cache_state.take_rows(self._s, [idx])
-        return H2OKVCache(*self.policy, state=CacheState() if self._s.core is None else row._replace(to_come=None))
+        return H2OKVCache(*self.policy, state=CacheState(every=self.evict_every) if self._s.core is None
+                          else row._replace(to_come=None))
 
     def rows(self) -> List[H2OKVCache]:
         """Every row as a single-prompt cache."""

@@ -5,10 +5,10 @@ these functions; each takes a state (and the `Policy`) and returns a new one. Th
 state is the core's `H2OState` plus what the mlx-lm protocol adds around it: Python
 mirrors of the per-row counts (so decoding never forces an evaluation), the tokens
 whose attention weights are awaited (`Pending`, query scoring), the decode tokens
-staged for `evict_every` (`staging.Staged`) and, in a batch, the real tokens still
+staged for `every` = k > 1 (`staging.Staged`) and, in a batch, the real tokens still
 to come per row (right padding is never kept, scored or attended).
 
-Shapes: B batch rows, H KV heads, C = config.capacity slots, D head_dim, N new tokens.
+Shapes: B batch rows, H KV heads, C = budget + every slots, D head_dim, N new tokens.
 
 Example:
     >>> import mlx.core as mx
@@ -22,6 +22,7 @@ Example:
     ((8,), (15,), (1, 2, 13, 16))
 """
 
+import json
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -40,7 +41,7 @@ class Pending(NamedTuple):
     values: Optional[mx.array]  # [B, H, N, Dv]
     rows: int  # slots in the view (the weights cover rows + N - 1 columns)
     alive: Optional[mx.array]  # decode: [B] bool; chunk: [B] int32 real tokens; None: all
-    staged: bool = False  # decode: a staged token (evict_every > 1), weights kept for the chunk
+    staged: bool = False  # decode: a staged token (every > 1), weights kept for the chunk
 
 
 class Step(NamedTuple):
@@ -66,6 +67,12 @@ class CacheState(NamedTuple):
     rows: int = 0  # slots in the last view
     followed: bool = False  # record `last` at each update (a lockstep leader)
     last: Optional[Step] = None  # what the last update started from (when followed)
+    every: int = 1  # decode tokens judged at a time (`staging`); the core holds budget + every slots
+
+
+def slots(s: CacheState, config: H2OConfig) -> int:
+    """C: the core's slots per (b, h), budget + every (also before the first tokens)."""
+    return config.budget + s.every
 
 
 def update(s: CacheState, policy: Policy, keys: mx.array, values: mx.array):
@@ -88,8 +95,8 @@ def update(s: CacheState, policy: Policy, keys: mx.array, values: mx.array):
         waiting=0, to_come=None if s.to_come is None else tuple(r - N for r in s.to_come))
     if N > 1:  # a chunk after staged decode tokens: score those first
         s = flush(s, policy)
-    before, rows = s, view.rows_for(s.lengths, cfg.capacity)
-    if N == 1 and cfg.evict_every > 1 and alive is None:
+    before, rows = s, view.rows_for(s.lengths, slots(s, cfg))
+    if N == 1 and s.every > 1 and alive is None:
         s, out = _stage(s, policy, keys, values, rows)
     elif N == 1:
         s, out = _decode(s, policy, keys, values, rows, None if alive is None else alive.astype(mx.bool_))
@@ -120,13 +127,13 @@ def _chunk(s, policy, keys, values, rows, alive):
 
 
 def _stage(s, policy, keys, values, rows):
-    """evict_every = k > 1: admit a decode token unscored (`staging`)."""
+    """every = k > 1: admit a decode token unscored (`staging`)."""
     admitted = policy.admit(s.core, keys, values)
     s = s._replace(staged=staging.stage(s.staged, keys, values, s.seen))
     if policy.config.scoring == "query":
         return s._replace(pending=Pending(admitted, None, None, rows, None, staged=True)), view.view(admitted, rows)
     s = s._replace(core=admitted)
-    return (flush(s, policy) if staging.full(s.staged, policy.config) else s), view.view(admitted, rows)
+    return (flush(s, policy) if staging.full(s.staged, s.every) else s), view.view(admitted, rows)
 
 
 def scored_queries(s: CacheState, config: H2OConfig, N: int) -> int:
@@ -167,8 +174,8 @@ def receive(s: CacheState, policy: Policy, weights: mx.array) -> CacheState:
                          f"{p.rows + N - 1})")
     s = s._replace(pending=None)
     if p.staged:  # kept for the chunk that scores the staged tokens
-        s = s._replace(core=p.state, staged=staging.with_weights(s.staged, weights, p.state, policy.config))
-        return flush(s, policy) if staging.full(s.staged, policy.config) else s
+        s = s._replace(core=p.state, staged=staging.with_weights(s.staged, weights, p.state, s.every))
+        return flush(s, policy) if staging.full(s.staged, s.every) else s
     if p.keys is None:
         return s._replace(core=policy.settle(p.state, view.decode_weights(weights, p.state), p.alive))
     state = policy.absorb(p.state, p.keys, p.values, view.view_weights(p.state, weights, p.rows), p.alive)
@@ -201,7 +208,7 @@ def mask(s: CacheState, config: H2OConfig, N: int, return_array: bool = False):
     (as mlx-lm's KVCache, even with return_array), causal over kept + N rows for a chunk,
     and per row when the rows of a batch keep different counts."""
     if len(set(s.lengths)) > 1:
-        rows = view.rows_for(s.lengths, config.capacity)
+        rows = view.rows_for(s.lengths, slots(s, config))
         return view.view_mask(mx.array(s.lengths, dtype=mx.int32), rows, N)
     if N == 1:
         return None
@@ -221,11 +228,11 @@ def next_step(s: CacheState, config: H2OConfig, B: int, H: int, N: int) -> Step:
     tokens before the leader does): the settled layout, counts and view rows."""
     require_settled(s, "lead")
     if s.core is None:
-        positions, seen, lengths = mx.full((B, H, config.capacity), -1, dtype=mx.int32), [0] * B, [0] * B
+        positions, seen, lengths = mx.full((B, H, slots(s, config)), -1, dtype=mx.int32), [0] * B, [0] * B
     else:
         positions, seen, lengths = s.core.positions, list(s.seen), s.lengths
     counts = real_tokens(s, N) or [N] * len(seen)
-    return Step(positions, seen, counts, view.rows_for(lengths, config.capacity))
+    return Step(positions, seen, counts, view.rows_for(lengths, slots(s, config)))
 
 
 def trim(s: CacheState, n: int) -> Tuple[CacheState, int]:
@@ -270,16 +277,21 @@ def take_rows(s: CacheState, idx: Sequence[int]) -> CacheState:
 def stack(states: Sequence[CacheState], policy: Policy) -> CacheState:
     """Settled single-prompt states as one batch, rows as they are (each keeps its length;
     an empty one becomes an empty row)."""
+    every = {s.every for s in states}
+    if len(every) != 1:
+        raise ValueError(f"cannot stack cache states judging decode tokens {sorted(every)} at a time: "
+                         "expected one evict_every")
+    every = every.pop()
     held = [s.core for s in states if s.core is not None]
     if not held:
-        return CacheState(waiting=len(states))
+        return CacheState(waiting=len(states), every=every)
     H, Dk, Dv = held[0].positions.shape[1], *(storage.width(x, policy.config.kv_bits) for x in held[0][:2])
     dtype = storage.dtype_of(held[0].keys)
-    cores = [s.core if s.core is not None else policy.init(1, H, Dk, dtype, Dv) for s in states]
+    cores = [s.core if s.core is not None else policy.init(1, H, Dk, dtype, Dv, every) for s in states]
     state = H2OState(storage.stack([c.keys for c in cores]), storage.stack([c.values for c in cores]),
                      *(mx.concatenate([getattr(c, f) for c in cores], axis=0) for f in H2OState._fields[2:]))
     return CacheState(state, tuple(a for s in states for a in (s.seen or (0,))),
-                      tuple(k for s in states for k in (s.lengths or (0,))))
+                      tuple(k for s in states for k in (s.lengths or (0,))), every=every)
 
 
 def to_arrays(s: CacheState) -> tuple:
@@ -289,14 +301,27 @@ def to_arrays(s: CacheState) -> tuple:
     return (*((None,) * 6 if s.core is None else tuple(s.core)), *staging.to_arrays(s.staged))
 
 
-def from_arrays(arrays: Sequence) -> CacheState:
-    """The inverse of `to_arrays` (a store may come back as a list)."""
+def from_arrays(arrays: Sequence, every: int = 1) -> CacheState:
+    """The inverse of `to_arrays` (a store may come back as a list); `every` as saved."""
     if arrays[0] is None:
-        return CacheState()
+        return CacheState(every=every)
     keys, values = (tuple(x) if isinstance(x, (list, tuple)) else x for x in arrays[:2])
     state = H2OState(keys, values, *arrays[2:6])
     return CacheState(state, tuple(state.seen.tolist()), tuple(state.length.tolist()),
-                      staged=staging.from_arrays(*arrays[6:10]))
+                      staged=staging.from_arrays(*arrays[6:10]), every=every)
+
+
+def meta(s: CacheState, config: H2OConfig) -> str:
+    """The config's fields and `evict_every` as one JSON object (a cache's `meta_state`)."""
+    return json.dumps({**config._asdict(), "evict_every": s.every})
+
+
+def from_meta(arrays: Sequence, meta_state: str) -> Tuple[H2OConfig, CacheState]:
+    """(config, state) of a saved cache: `to_arrays`' arrays and `meta`'s JSON
+    (files saved before evict_every left the config hold it among the config's fields)."""
+    fields = json.loads(meta_state)
+    every = fields.pop("evict_every", 1)
+    return H2OConfig(**fields), from_arrays(arrays, every)
 
 
 def _started(s: CacheState, policy: Policy, keys: mx.array, values: mx.array) -> CacheState:
@@ -304,7 +329,8 @@ def _started(s: CacheState, policy: Policy, keys: mx.array, values: mx.array) ->
     if s.core is not None:
         return s
     B, H, _, D = keys.shape
-    return s._replace(core=policy.init(B, H, D, keys.dtype, values.shape[3]), seen=(0,) * B, lengths=(0,) * B)
+    return s._replace(core=policy.init(B, H, D, keys.dtype, values.shape[3], s.every), seen=(0,) * B,
+                      lengths=(0,) * B)
 
 
 def check(s: CacheState, config: H2OConfig, keys: mx.array, values: mx.array) -> None:

@@ -35,8 +35,8 @@ from .lockstep import H2OCacheList, H2OFollower
 from .retention import REPEAT_PROMPT, cache_prompt, repeat_prefix
 
 __all__ = ["DEFAULT_CONFIG", "REPEAT_PROMPT", "BatchH2OKVCache", "H2OCacheList", "H2OFollower", "H2OKVCache",
-           "cache_prompt", "h2o_caches", "h2o_layer_count", "layer_configs", "make_h2o_cache", "repeat_prefix",
-           "use_h2o"]
+           "cache_prompt", "h2o_caches", "h2o_layer_count", "layer_configs", "layer_evict_every", "make_h2o_cache",
+           "repeat_prefix", "use_h2o"]
 
 
 def _kv_per_layer(caches: Sequence[Any]) -> List[int]:
@@ -53,20 +53,25 @@ def _leaders(caches: Sequence[Any]) -> int:
     return len(_kv_per_layer(caches))
 
 
-def _build(model: nn.Module, configs: List[H2OConfig], argmin) -> List[Any]:
-    """The model's own caches with H2O in every full-attention layer (configs in layer order)."""
-    per_layer = iter(configs)
+def _build(model: nn.Module, configs: List[H2OConfig], argmin, every: Sequence[int]) -> List[Any]:
+    """The model's own caches with H2O in every full-attention layer (configs and
+    evict_every in layer order)."""
+    per_layer = iter(zip(configs, every))
+
+    def h2o():
+        config, k = next(per_layer)
+        return H2OKVCache(config, argmin, evict_every=k)
 
     def convert(c):
         if type(c) is KVCache:
-            return H2OKVCache(next(per_layer), argmin)
+            return h2o()
         if not isinstance(c, mlx_cache.CacheList):
             return c
         members = list(c.caches)
         kv = [j for j, m in enumerate(members) if type(m) is KVCache]
         if not kv:
             return c
-        members[kv[0]] = H2OKVCache(next(per_layer), argmin)
+        members[kv[0]] = h2o()
         for j in kv[1:]:
             members[j] = H2OFollower()
         if len(kv) > 1:
@@ -98,6 +103,7 @@ def make_h2o_cache(
     config: Optional[H2OConfig] = None,
     budgets: Union[None, str, Sequence[int]] = None,
     argmin=protected_argmin,
+    evict_every: int = 1,
 ) -> List[Any]:
     """The per-layer cache list for `prompt_cache=` in mlx-lm's generate functions.
 
@@ -110,6 +116,8 @@ def make_h2o_cache(
         n_sink and grace (a budget that cannot hold them is an error naming the layer),
         or an allocation policy's name: "uniform" or "pyramid" ("calibrated" needs the
         tokenizer: `allocation.budgets_for(model, "calibrated", config, tokenizer)`).
+      evict_every: decode tokens judged at a time (`H2OKVCache`'s; layers that hold
+        several KV caches in lockstep take 1, with a warning naming them).
 
     What it installs: for `scoring="query"`, and for per-layer budgets of different
     sizes, the attention hook on the model's modules (`h2o_fn.adapters.attention`;
@@ -119,11 +127,12 @@ def make_h2o_cache(
     cannot (attention outside mlx-lm's `scaled_dot_product_attention`, heads the cache
     does not hold) fall back to key scoring, with a warning naming them.
     """
-    return _build(model, layer_configs(model, config, budgets, argmin), argmin)
+    configs = layer_configs(model, config, budgets, argmin)
+    return _build(model, configs, argmin, layer_evict_every(model, evict_every))
 
 
 def use_h2o(model: nn.Module, config: Optional[H2OConfig] = None,
-            budgets: Union[None, str, Sequence[int]] = None, argmin=protected_argmin):
+            budgets: Union[None, str, Sequence[int]] = None, argmin=protected_argmin, evict_every: int = 1):
     """Make H2O the cache mlx-lm builds for `model` everywhere: `make_prompt_cache(model)`,
     `batch_generate`, `BatchGenerator` and `mlx_lm.server` then get `make_h2o_cache`'s
     list (planned once: per-layer configs and the query-scoring probe are not redone).
@@ -134,8 +143,8 @@ def use_h2o(model: nn.Module, config: Optional[H2OConfig] = None,
         >>> mlx_lm.batch_generate(model, tokenizer, prompts)       # doctest: +SKIP
         >>> undo()                                                 # doctest: +SKIP
     """
-    configs = layer_configs(model, config, budgets, argmin)
-    model.make_cache = lambda: _build(model, configs, argmin)
+    configs, every = layer_configs(model, config, budgets, argmin), layer_evict_every(model, evict_every)
+    model.make_cache = lambda: _build(model, configs, argmin, every)
 
     def undo():
         model.__dict__.pop("make_cache", None)
@@ -185,13 +194,6 @@ def layer_configs(model: nn.Module, config: Optional[H2OConfig] = None,
     if budgets is not None and len(budgets) != n:
         raise ValueError(f"budgets has {len(budgets)} entries: expected one per H2O layer ({n})")
     configs = [config] * n if budgets is None else [_at_budget(config, b, i) for i, b in enumerate(budgets)]
-    followed = [i for i, kv in enumerate(_kv_per_layer(_model_caches(model)))
-                if kv > 1 and configs[i].evict_every > 1]
-    if followed:  # followers re-lay their rows out after chunks, not after staged flushes
-        warnings.warn(
-            f"{type(model).__name__}: H2O layers {followed} hold several KV caches in lockstep, "
-            "which take decode tokens one at a time: they use evict_every=1", stacklevel=3)
-        configs = [c._replace(evict_every=1) if i in followed else c for i, c in enumerate(configs)]
     uniform = len({c.budget for c in configs}) == 1
     if config.scoring == "query" or not uniform:
         if install_query_hook(model) == 0 and not uniform:
@@ -212,6 +214,19 @@ def layer_configs(model: nn.Module, config: Optional[H2OConfig] = None,
     return configs
 
 
+def layer_evict_every(model: nn.Module, evict_every: int = 1) -> List[int]:
+    """evict_every per H2O layer of `model`, in layer order: `evict_every`, except 1 (with a
+    warning naming them) for layers whose several KV caches move in lockstep: followers
+    re-lay their rows out after chunks, not after staged flushes."""
+    kv = _kv_per_layer(_model_caches(model))
+    followed = [i for i, n in enumerate(kv) if n > 1] if evict_every != 1 else []
+    if followed:
+        warnings.warn(
+            f"{type(model).__name__}: H2O layers {followed} hold several KV caches in lockstep, "
+            "which take decode tokens one at a time: they use evict_every=1", stacklevel=3)
+    return [1 if i in followed else evict_every for i in range(len(kv))]
+
+
 def _at_budget(config: H2OConfig, budget: int, layer: int) -> H2OConfig:
     try:
         return config._replace(budget=int(budget))
@@ -221,6 +236,6 @@ def _at_budget(config: H2OConfig, budget: int, layer: int) -> H2OConfig:
 
 def _layers_without_weights(model, configs: List[H2OConfig], argmin) -> List[int]:
     """H2O layers whose cache still waits for weights after one probe token."""
-    probe = _build(model, configs, argmin)
+    probe = _build(model, configs, argmin, [1] * len(configs))
     model(mx.array([[0]]), cache=probe)
     return [i for i, c in enumerate(h2o_caches(probe)) if c.wants_weights]

@@ -6,19 +6,19 @@ attention view is as usual) and remembered in a `Staged`; once k are staged they
 scored and evicted as one oneshot chunk (the prefill rule, `Policy.absorb_staged`) from
 the state they were admitted onto, with their own attention weights for query scoring.
 
-Shapes: B batch rows, H KV heads, C = config.capacity slots, D head_dim, j staged tokens.
+Shapes: B batch rows, H KV heads, C = budget + k slots (`Policy.init(room=k)`), D head_dim, j staged tokens.
 
 Example:
     >>> import mlx.core as mx
     >>> import h2o_fn
     >>> from h2o_fn.adapters import staging
-    >>> p = h2o_fn.policy(h2o_fn.H2OConfig(budget=4, n_sink=1, grace=1, evict_every=2))
-    >>> state, staged = p.init(1, 1, 8), staging.Staged()
+    >>> p = h2o_fn.policy(h2o_fn.H2OConfig(budget=4, n_sink=1, grace=1))
+    >>> state, staged = p.init(1, 1, 8, room=2), staging.Staged()  # k = 2
     >>> for t in range(6):
     ...     kv = mx.ones((1, 1, 1, 8))
     ...     staged = staging.stage(staged, kv, kv, [t])
     ...     state = p.admit(state, kv, kv)
-    ...     if staging.full(staged, p.config):
+    ...     if staging.full(staged, 2):
     ...         state, staged = staging.flush(state, staged, p), staging.Staged()
     >>> state.length.tolist(), state.seen.tolist()
     ([4], [6])
@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from h2o_fn import H2OConfig, H2OState, Policy, view
+from h2o_fn import H2OState, Policy, capacity, view
 
 
 class Staged(NamedTuple):
@@ -47,10 +47,10 @@ def stage(staged: Staged, keys: mx.array, values: mx.array, seen: Sequence[int])
     return staged._replace(keys=(*staged.keys, keys), values=(*staged.values, values), start=start)
 
 
-def with_weights(staged: Staged, weights: mx.array, admitted: H2OState, config: H2OConfig) -> Staged:
+def with_weights(staged: Staged, weights: mx.array, admitted: H2OState, k: int) -> Staged:
     """`staged` with the last token's attention weights `[B, H, 1, rows]` over the view of
-    `admitted`, laid out as the row of the chunk that will score them."""
-    w = _compiled_staged_weights(config.evict_every)(weights, admitted.positions, staged.start)
+    `admitted`, laid out as the row of the chunk of k that will score them."""
+    w = _compiled_staged_weights(k)(weights, admitted.positions, staged.start)
     return staged._replace(weights=(*staged.weights, w))
 
 
@@ -64,9 +64,9 @@ def _compiled_staged_weights(k: int):
     return mx.compile(laid_out)
 
 
-def full(staged: Staged, config: H2OConfig) -> bool:
-    """Whether `evict_every` tokens are staged (time to score them)."""
-    return len(staged.keys) == config.evict_every
+def full(staged: Staged, k: int) -> bool:
+    """Whether k tokens are staged (time to score them)."""
+    return len(staged.keys) == k
 
 
 def chunk(staged: Staged) -> Tuple[mx.array, mx.array]:
@@ -80,7 +80,7 @@ def flush(state: H2OState, staged: Staged, policy: Policy) -> H2OState:
     stay in their slots; only survivors above budget move into the freed slots)."""
     weights = None
     if policy.config.scoring == "query":
-        weights = mx.concatenate(staged.weights, axis=2)[..., : policy.config.capacity + len(staged.keys)]
+        weights = mx.concatenate(staged.weights, axis=2)[..., : capacity(state) + len(staged.keys)]
     return policy.absorb_staged(state, *chunk(staged), weights)
 
 

@@ -32,7 +32,7 @@ def dump(out: str, tokens: int, budget: int) -> None:
     model, tokenizer = load_gguf(dequantize=True)
     ids, saved = corpus_tokens(tokenizer, tokens, None), {}
     for scoring, k in CONFIGS:
-        cache = make_h2o_cache(model, H2OConfig(budget=budget, n_sink=4, grace=16, scoring=scoring, evict_every=k))
+        cache = make_h2o_cache(model, H2OConfig(budget=budget, n_sink=4, grace=16, scoring=scoring), evict_every=k)
         model(mx.array([ids[:40]]), cache=cache)
         logits = []
         for t in ids[40:]:

@@ -35,7 +35,7 @@ from .scoring import accumulate, key_weights, scored_queries
 from .invariants import assert_invariants, check_invariants
 from .policy import Policy, policy
 from .rope import remap
-from .state import H2OState, state_nbytes
+from .state import H2OState, capacity, state_nbytes
 
 __all__ = [
     "H2OConfig",
@@ -47,6 +47,7 @@ __all__ = [
     "accumulate",
     "admit",
     "assert_invariants",
+    "capacity",
     "check_invariants",
     "compiled_absorb",
     "compiled_absorb_staged",

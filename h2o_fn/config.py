@@ -5,8 +5,6 @@ It is validated at construction; `_replace` validates too.
 
 Example:
     >>> from h2o_fn import H2OConfig
-    >>> H2OConfig(budget=128, n_sink=4, grace=16).capacity
-    129
     >>> H2OConfig().at_budget(32).grace        # the defaults, scaled to a small budget
     8
     >>> H2OConfig(kv_bits=7)
@@ -34,16 +32,14 @@ class _Fields(NamedTuple):
     kv_group_size: int  # elements per quantization group (scale + bias) along head_dim
     window: int  # a oneshot chunk longer than this (a prompt) scores by its last `window` queries
     pool: int  # ... and ranks tokens by the best score within +-pool//2 positions (1: off)
-    evict_every: int  # decode tokens scored and evicted k at a time (adapter); C = budget + k
 
 
-def _validate(budget, n_sink, grace, decay, scoring, prefill, kv_bits, kv_group_size, window, pool,
-              evict_every):
+def _validate(budget, n_sink, grace, decay, scoring, prefill, kv_bits, kv_group_size, window, pool):
     def bad(field, value, expected):
         raise ValueError(f"H2OConfig.{field}={value!r} is invalid: expected {expected}")
 
     for field, value in (("budget", budget), ("n_sink", n_sink), ("grace", grace), ("window", window),
-                         ("pool", pool), ("evict_every", evict_every)):
+                         ("pool", pool)):
         if isinstance(value, bool) or not isinstance(value, int):
             bad(field, value, "an int")
     if budget < 1:
@@ -71,8 +67,6 @@ def _validate(budget, n_sink, grace, decay, scoring, prefill, kv_bits, kv_group_
         bad("window", window, "window >= 0 (0: every query of a chunk scores)")
     if pool < 1 or pool % 2 == 0:
         bad("pool", pool, "an odd pool >= 1 (1: no pooling)")
-    if evict_every < 1:
-        bad("evict_every", evict_every, "evict_every >= 1 (1: every token)")
 
 
 class H2OConfig(_Fields):
@@ -98,21 +92,13 @@ class H2OConfig(_Fields):
         kv_group_size: int = 64,
         window: int = 0,
         pool: int = 1,
-        evict_every: int = 1,
     ):
-        _validate(budget, n_sink, grace, decay, scoring, prefill, kv_bits, kv_group_size, window, pool,
-                  evict_every)
+        _validate(budget, n_sink, grace, decay, scoring, prefill, kv_bits, kv_group_size, window, pool)
         return super().__new__(cls, budget, n_sink, grace, float(decay), scoring, prefill, kv_bits,
-                               kv_group_size, window, pool, evict_every)
+                               kv_group_size, window, pool)
 
     def _replace(self, **changes) -> "H2OConfig":
         return H2OConfig(**{**self._asdict(), **changes})
-
-    @property
-    def capacity(self) -> int:
-        """Slots per (b, h): the budget plus room for the tokens about to be judged (one, or
-        the `evict_every` decode tokens an adapter stages before it scores them as a chunk)."""
-        return self.budget + self.evict_every
 
     def at_budget(self, budget: int) -> "H2OConfig":
         """This policy at another budget: grace shrinks to budget // 4 and n_sink to what

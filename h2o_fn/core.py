@@ -6,7 +6,7 @@ under the same name in `h2o_fn.reference`: `rule` (protection and the victim:
 `evict`, `protected_argmin`, the fused kernel's spec), `scoring` (weights and
 `accumulate`), `prefill` (`absorb`, `absorb_scored`: a chunk at once); `arrays` and
 `checks` hold what they share.
-Shapes: B batch rows, H KV heads, C = config.capacity slots (budget + evict_every), D head_dim,
+Shapes: B batch rows, H KV heads, C = budget + room slots (`init`'s room), D head_dim,
 N chunk tokens.
 
 Per token t (one (b, h) row; S = the kept set):
@@ -54,14 +54,18 @@ from .state import H2OState
 
 def init(
     config: H2OConfig, batch: int, n_heads: int, head_dim: int, dtype=mx.float16,
-    value_dim: Optional[int] = None,
+    value_dim: Optional[int] = None, room: int = 1,
 ) -> H2OState:
     """An empty state: keys `[B, H, C, D]`, values `[B, H, C, value_dim or D]`, every slot free.
 
+    C = budget + room: a step needs one slot beyond the budget (the token being judged);
+    absorbing k staged decode tokens at once (`absorb_staged`) needs k.
     With `config.kv_bits` each store is mx.quantize's triple (head_dim and value_dim
     must split into groups of `config.kv_group_size`).
     """
-    shape = (batch, n_heads, config.capacity)
+    if isinstance(room, bool) or not isinstance(room, int) or room < 1:
+        raise ValueError(f"room={room!r} is invalid: expected an int >= 1 (slots beyond the budget)")
+    shape = (batch, n_heads, config.budget + room)
     bits, group = config.kv_bits, config.kv_group_size
     return H2OState(
         keys=storage.empty(shape, head_dim, dtype, bits, group),

@@ -7,7 +7,7 @@ through `mx.compile` (one trace per config, op and shape); `absorb` stays eager,
 since prompt chunks come in many lengths. A `Policy` holds no compiled function
 (they are looked up in the core's caches), so it pickles and deep-copies.
 
-Shapes: B batch rows, H KV heads, C = config.capacity slots, D head_dim, N chunk tokens.
+Shapes: B batch rows, H KV heads, C = budget + room slots, D head_dim, N chunk tokens.
 
 Example:
     >>> import mlx.core as mx
@@ -36,9 +36,9 @@ class Policy(NamedTuple):
     argmin: rule.Argmin = rule.protected_argmin
 
     def init(self, batch: int, n_heads: int, head_dim: int, dtype=mx.float16,
-             value_dim: Optional[int] = None) -> H2OState:
-        """An empty state `[B, H, C, D]` (`core.init`)."""
-        return core.init(self.config, batch, n_heads, head_dim, dtype, value_dim)
+             value_dim: Optional[int] = None, room: int = 1) -> H2OState:
+        """An empty state `[B, H, C, D]`, C = budget + room (`core.init`)."""
+        return core.init(self.config, batch, n_heads, head_dim, dtype, value_dim, room)
 
     def step(self, state: H2OState, key: mx.array, value: mx.array, weights: Optional[mx.array] = None,
              alive: Optional[mx.array] = None) -> H2OState:

@@ -3,7 +3,7 @@
 `absorb` (greedy: N exact steps; oneshot: one weight pass, then the lowest
 (score, position) unprotected tokens evicted together), `absorb_scored` (scores
 from a prompt-scoring pass) and `pooled` (SnapKV's spans). Shapes: B batch rows,
-H KV heads, C = config.capacity slots, D head_dim, N chunk tokens.
+H KV heads, C = budget + room slots (`init`), D head_dim, N chunk tokens.
 
 Example:
     >>> import mlx.core as mx
@@ -226,9 +226,9 @@ def absorb_staged(state: H2OState, keys: mx.array, values: mx.array, config: H2O
         >>> import mlx.core as mx
         >>> from h2o_fn import H2OConfig, admit, init
         >>> from h2o_fn.prefill import absorb_staged
-        >>> cfg = H2OConfig(budget=4, n_sink=1, grace=1, evict_every=2)
+        >>> cfg = H2OConfig(budget=4, n_sink=1, grace=1)
         >>> kv = mx.random.normal((1, 1, 6, 8))
-        >>> s = init(cfg, 1, 1, 8)
+        >>> s = init(cfg, 1, 1, 8, room=2)  # two tokens judged at a time
         >>> for t in range(6):
         ...     s = admit(s, kv[:, :, t : t + 1], kv[:, :, t : t + 1], cfg)
         ...     if t % 2:
@@ -293,7 +293,7 @@ def _keep_best(state, chunk_keys, chunk_values, scores, real, pool, config) -> H
     `pool` `[B]` bool: rows whose ranking takes the best score within +-pool//2 positions
     (None: no row)."""
     B, H, N = scores.shape[0], scores.shape[1], scores.shape[2] - state.positions.shape[-1]
-    C = config.capacity
+    C = state.positions.shape[-1]
     arange = mx.arange(N, dtype=mx.int32)
     chunk_positions = mx.where(arange < real[:, None], state.seen[:, None] + arange, -1)  # [B, N]
     positions = mx.concatenate(
@@ -336,7 +336,7 @@ def absorb_scored(state: H2OState, keys: mx.array, values: mx.array, scores: mx.
         >>> from h2o_fn import H2OConfig, init, absorb_scored, kept_positions
         >>> cfg = H2OConfig(budget=3, n_sink=1, grace=1)
         >>> kv = mx.zeros((1, 1, 6, 4))
-        >>> s = mx.array([[[0.0] * cfg.capacity + [0.0, 0.1, 0.9, 0.2, 0.3, 0.0]]])
+        >>> s = mx.array([[[0.0] * (cfg.budget + 1) + [0.0, 0.1, 0.9, 0.2, 0.3, 0.0]]])
         >>> kept_positions(absorb_scored(init(cfg, 1, 1, 4), kv, kv, s, cfg))[0, 0].tolist()
         [0, 2, 5, -1]
     """
@@ -352,7 +352,7 @@ def absorb_scored(state: H2OState, keys: mx.array, values: mx.array, scores: mx.
 
 
 def _absorb_greedy(state, keys, values, config, weights, argmin, n_alive, N) -> H2OState:
-    C = config.capacity
+    C = state.positions.shape[-1]
     lengths = state.length.tolist()
     n0 = 0
     if n_alive is None and len(set(lengths)) == 1:  # equal rows: one pass while none can evict

@@ -50,8 +50,8 @@ class RefState:
         return [len(row[0]) if row else 0 for row in self.heads]
 
 
-def init(config, batch: int, n_heads: int, head_dim: int, dtype=None, value_dim=None) -> RefState:
-    del config, dtype, value_dim
+def init(config, batch: int, n_heads: int, head_dim: int, dtype=None, value_dim=None, room: int = 1) -> RefState:
+    del config, dtype, value_dim, room  # the reference keeps lists: no slots to size
     return RefState([[[] for _ in range(n_heads)] for _ in range(batch)], [0] * batch, head_dim)
 
 

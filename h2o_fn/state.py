@@ -1,6 +1,7 @@
 """H2OState: the cache of one attention layer as a NamedTuple of MLX arrays.
 
-C = capacity = budget + evict_every slots per (batch row b, KV head h). Slots are
+C = capacity = budget + room slots per (batch row b, KV head h): room for the tokens
+about to be judged (one for a step; k for k staged decode tokens, `init(room=k)`). Slots are
 unordered: a token keeps its slot until it is evicted, and the next token is
 written into the freed slot. Free slots have position -1 and score 0; their
 key and value rows hold stale data that nothing reads.
@@ -40,6 +41,11 @@ class H2OState(NamedTuple):
     positions: mx.array  # [B, H, C] int32, absolute token position in its row; -1 for free slots
     length: mx.array  # [B] int32, valid slots per (b, h) (the same for every head of a row)
     seen: mx.array  # [B] int32, tokens absorbed per row = the row's next position
+
+
+def capacity(state: H2OState) -> int:
+    """C: slots per (b, h), the budget plus the room `init` gave the state."""
+    return state.positions.shape[-1]
 
 
 def state_nbytes(state: H2OState) -> int:

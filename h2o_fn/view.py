@@ -16,12 +16,12 @@ offset rows - 1 (mlx-lm's "causal"); rows of different lengths need `view_mask`.
 
 Example:
     >>> import mlx.core as mx
-    >>> from h2o_fn import H2OConfig, init, absorb
+    >>> from h2o_fn import H2OConfig, init, absorb, capacity
     >>> from h2o_fn.view import chunk_view, rows_for, view_mask
     >>> cfg = H2OConfig(budget=4, n_sink=1, grace=1)
     >>> kv = mx.random.normal((2, 1, 3, 8))
     >>> s = absorb(init(cfg, 2, 1, 8), kv, kv, cfg, n_alive=mx.array([3, 1]))
-    >>> rows = rows_for([3, 1], cfg.capacity)
+    >>> rows = rows_for([3, 1], capacity(s))
     >>> k, v = chunk_view(s, kv[:, :, :2], kv[:, :, :2], cfg, rows)
     >>> rows, k.shape
     (4, (2, 1, 5, 8))

@@ -63,7 +63,7 @@ def same(a, b) -> bool:
     return len(pa) == len(pb) and all(mx.array_equal(x, y) for x, y in zip(pa, pb))
 
 
-def core_weights(state: H2OState, by_position: np.ndarray, capacity: int) -> mx.array:
+def core_weights(state: H2OState, by_position: np.ndarray) -> mx.array:
     """Position-indexed weights `[B, H, N, P]` -> the core's `[B, H, N, C + N]` layout.
 
     Column j < C takes the weight of the token in slot j, column C + i that of
@@ -72,6 +72,7 @@ def core_weights(state: H2OState, by_position: np.ndarray, capacity: int) -> mx.
     B, H, N, P = by_position.shape
     seen = state.seen.tolist()
     pos = np.array(state.positions)  # [B, H, C]
+    capacity = pos.shape[-1]
     out = np.zeros((B, H, N, capacity + N), dtype=np.float32)
     b, h = np.meshgrid(np.arange(B), np.arange(H), indexing="ij")
     for j in range(capacity):

@@ -48,7 +48,6 @@ def configs(draw, scoring=None, prefill=None, max_budget=64, quantized=True):
         kv_group_size=32,
         window=draw(st.sampled_from([0, 0, 0, 1, 3, 8])),
         pool=draw(st.sampled_from([1, 1, 3, 5])),
-        evict_every=draw(st.sampled_from([1, 1, 1, 3])),
     )
 
 

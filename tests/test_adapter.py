@@ -406,14 +406,14 @@ def test_evict_every_scores_decode_tokens_as_chunks(llama, scoring):
     from helpers import kept, scores
 
     TOKENS = mx.array(np.random.default_rng(3).integers(0, 101, (1, 40)))  # noqa: N806
-    cfg = H2OConfig(budget=12, n_sink=2, grace=3, scoring=scoring, evict_every=4)
-    staged = make_h2o_cache(llama, cfg)
-    chunked = make_h2o_cache(llama, cfg._replace(evict_every=1))
+    cfg, k = H2OConfig(budget=12, n_sink=2, grace=3, scoring=scoring), 4
+    staged = make_h2o_cache(llama, cfg, evict_every=k)
+    chunked = make_h2o_cache(llama, cfg)
     llama(TOKENS[:, :9], cache=staged)
     llama(TOKENS[:, :9], cache=chunked)
     for i in range(9, 33):
         assert mx.all(mx.isfinite(llama(TOKENS[:, i : i + 1], cache=staged))).item()
-        assert staged[0].tokens_kept <= cfg.budget + cfg.evict_every - 1
+        assert staged[0].tokens_kept <= cfg.budget + k - 1
     for i in range(9, 33, 4):
         llama(TOKENS[:, i : i + 4], cache=chunked)
     for a, b in zip(staged, chunked):
@@ -432,5 +432,5 @@ def test_evict_every_scores_decode_tokens_as_chunks(llama, scoring):
 
 
 def test_evict_every_with_nothing_evicted_equals_the_full_cache(llama):
-    cache = make_h2o_cache(llama, H2OConfig(budget=64, n_sink=2, grace=4, scoring="key", evict_every=8))
+    cache = make_h2o_cache(llama, H2OConfig(budget=64, n_sink=2, grace=4, scoring="key"), evict_every=8)
     assert mx.array_equal(run(llama, cache), run(llama, [KVCache() for _ in llama.layers]))

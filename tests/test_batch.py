@@ -34,10 +34,10 @@ def model():
     remove_query_hook(m)
 
 
-def replay(model, config, prompt, generated):
+def replay(model, config, prompt, generated, evict_every=1):
     """One row alone: the prompt minus its last token as one chunk, then single tokens
     (how the batch generator feeds it: it runs one step ahead, so the last one too)."""
-    cache = make_h2o_cache(model, config)
+    cache = make_h2o_cache(model, config, evict_every=evict_every)
     model(mx.array([prompt[:-1]]), cache=cache)
     for t in (prompt + generated)[len(prompt) - 1 :]:
         model(mx.array([[t]]), cache=cache)
@@ -64,11 +64,12 @@ def test_each_row_evicts_on_its_own_positions(model, scoring, prefill, kv_bits, 
     """At a small budget every row of the batch keeps exactly what it keeps alone (rows
     that finish early leave the others' staged decode tokens staged)."""
     cfg = H2OConfig(budget=9, n_sink=1, grace=2, scoring=scoring, prefill=prefill, kv_bits=kv_bits,
-                    kv_group_size=32, evict_every=evict_every)
+                    kv_group_size=32)
+    caches = [make_h2o_cache(model, cfg, evict_every=evict_every) for _ in PROMPTS]
     out = batch_generate(model, Tokenizer(), PROMPTS, max_tokens=MAX_TOKENS, return_token_ids=True,
-                         return_prompt_caches=True, prompt_caches=[make_h2o_cache(model, cfg) for _ in PROMPTS])
+                         return_prompt_caches=True, prompt_caches=caches)
     for prompt, ids, caches in zip(PROMPTS, out.token_ids, out.caches):
-        alone = replay(model, cfg, prompt, ids)
+        alone = replay(model, cfg, prompt, ids, evict_every)
         for a, b in zip(caches, alone):
             assert type(a) is H2OKVCache
             assert a.tokens_seen == b.tokens_seen == len(prompt) + len(ids)

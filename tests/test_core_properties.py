@@ -57,7 +57,7 @@ def test_decay_one_is_a_plain_running_sum():
     cfg = H2OConfig(budget=64, n_sink=0, grace=0, decay=1.0)
     keys = make_stream((1, 1, 4), 40, seed=3, style="normal", scale=1.0).keys
     state = init(cfg, 1, 1, 4, dtype=mx.float32)
-    total = mx.zeros((1, 1, cfg.capacity))
+    total = mx.zeros((1, 1, cfg.budget + 1))
     for t in range(40):
         k = mx.array(keys[:, :, t : t + 1])
         total = total + key_weights(state, k, cfg)[..., 0, :]
@@ -108,12 +108,12 @@ def test_a_prompt_chunks_last_window_weights_are_enough(data):
     prefix = data.draw(st.integers(0, k.shape[2] - cfg.window - 1))
     state = init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32)
     if prefix:
-        w = core_weights(state, chunk_weights(stream, 0, prefix), cfg.capacity)
+        w = core_weights(state, chunk_weights(stream, 0, prefix))
         state = absorb(state, k[:, :, :prefix], v[:, :, :prefix], cfg, w)
     N = k.shape[2] - prefix
     M = scored_queries(N, cfg)
     assert M == cfg.window < N
-    w = core_weights(state, chunk_weights(stream, prefix, N), cfg.capacity)  # [B, H, N, C + N]
+    w = core_weights(state, chunk_weights(stream, prefix, N))  # [B, H, N, C + N]
     full = absorb(state, k[:, :, prefix:], v[:, :, prefix:], cfg, w)
     last = absorb(state, k[:, :, prefix:], v[:, :, prefix:], cfg, w[:, :, N - M :])
     assert kept(last) == kept(full)
@@ -174,7 +174,7 @@ def test_non_finite_and_negative_query_weights_count_as_zero(prefill):
     cfg = H2OConfig(budget=6, n_sink=1, grace=1, scoring="query", prefill=prefill)
     state = init(cfg, 1, 1, 2, dtype=mx.float32)
     for t in range(12):
-        w = np.full((1, 1, 1, cfg.capacity + 1), [np.nan, np.inf, -1.0, 0.5][t % 4], np.float32)
+        w = np.full((1, 1, 1, cfg.budget + 2), [np.nan, np.inf, -1.0, 0.5][t % 4], np.float32)
         k = mx.ones((1, 1, 1, 2))
         state = absorb(state, k, k, cfg, weights=mx.array(w))
         assert_invariants(state, cfg)
@@ -190,7 +190,7 @@ def test_query_decode_building_blocks_equal_absorb_of_one_token(prefill):
     for t in range(15):
         k = mx.array(rng.standard_normal((1, 2, 1, 3)).astype(np.float32))
         by_position = rng.random((1, 2, 1, t + 1)).astype(np.float32)  # query t's weight on each position
-        a = absorb(a, k, k, cfg, weights=core_weights(a, by_position, cfg.capacity))
+        a = absorb(a, k, k, cfg, weights=core_weights(a, by_position))
         admitted = admit(b, k, k, cfg)
         pos = np.array(admitted.positions)
         over_slots = np.where(pos >= 0, np.take_along_axis(by_position[:, :, 0], np.maximum(pos, 0), -1), 0)

@@ -37,12 +37,13 @@ def padded_chunk(stream, starts, counts, n):
     return k, v
 
 
-def run_chunks(cfg, shape, stream, sizes, alive=None, check_every=True):
+def run_chunks(cfg, shape, stream, sizes, alive=None, check_every=True, room=1):
     """Absorb `stream` in chunks of `sizes` into core and reference; compare after each.
 
-    `alive[c][b]`: how many of chunk c's tokens are real in row b (default: all).
+    `alive[c][b]`: how many of chunk c's tokens are real in row b (default: all);
+    `room`: the core's slots beyond the budget.
     """
-    state = init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32)
+    state = init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32, room=room)
     rstate = ref.init(cfg, shape.B, shape.H, shape.D)
     starts = [0] * shape.B
     alive = alive or [[n] * shape.B for n in sizes]
@@ -51,7 +52,7 @@ def run_chunks(cfg, shape, stream, sizes, alive=None, check_every=True):
         ragged = counts != [n] * shape.B
         n_alive = mx.array(counts, dtype=mx.int32) if ragged else None
         pw = chunk_weights(stream, starts, n) if cfg.scoring == "query" else None
-        cw = None if pw is None else core_weights(state, pw, cfg.capacity)
+        cw = None if pw is None else core_weights(state, pw)
         state = absorb(state, mx.array(k), mx.array(v), cfg, weights=cw, n_alive=n_alive)
         rstate = ref.absorb(rstate, as_stored(k, cfg), as_stored(v, cfg), cfg, weights=pw,
                             n_alive=None if n_alive is None else counts)
@@ -107,7 +108,8 @@ def _prefix(data, cfg, max_len=None):
     stream = data.draw(streams(shape, max_len=max_len or 2 * cfg.budget + 4, decay=cfg.decay))
     sizes = data.draw(chunk_sizes(stream.keys.shape[2]))
     alive = draw_alive(data, sizes, shape.B)
-    state, rstate = run_chunks(cfg._replace(prefill="oneshot"), shape, stream, sizes, alive, check_every=False)
+    room = data.draw(st.sampled_from([1, 1, 1, 3]))  # 3: the slots of three staged decode tokens
+    state, rstate = run_chunks(cfg._replace(prefill="oneshot"), shape, stream, sizes, alive, False, room)
     return shape, state, rstate
 
 
@@ -176,7 +178,7 @@ def twin_step(data, cfg):
     k, v, w = _token(data, shape)
     alive = _alive(data, shape.B)
     a = None if alive is None else mx.array(alive)
-    cw = None if cfg.scoring == "key" else core_weights(s, w, cfg.capacity)
+    cw = None if cfg.scoring == "key" else core_weights(s, w)
     rw = None if cfg.scoring == "key" else w
     return (step(s, mx.array(k), mx.array(v), cfg, cw, alive=a),
             ref.step(r, as_stored(k, cfg), as_stored(v, cfg), cfg, rw, alive=alive))
@@ -188,7 +190,7 @@ def twin_absorb(data, cfg):
     k, v, w = _token(data, shape, n)
     counts = draw_alive(data, [n], shape.B)[0]
     n_alive = None if counts == [n] * shape.B else counts
-    cw = None if cfg.scoring == "key" else core_weights(s, w, cfg.capacity)
+    cw = None if cfg.scoring == "key" else core_weights(s, w)
     rw = None if cfg.scoring == "key" else w
     return (absorb(s, mx.array(k), mx.array(v), cfg, cw,
                    n_alive=None if n_alive is None else mx.array(n_alive)),
@@ -209,13 +211,13 @@ def twin_absorb_scored(data, cfg):
 
 def twin_absorb_staged(data, cfg):
     shape, s, r = _prefix(data, cfg)
-    n = data.draw(st.integers(1, cfg.evict_every))  # the free slots staging may fill
+    n = data.draw(st.integers(1, h2o_fn.capacity(s) - cfg.budget))  # the free slots staging may fill
     k, v, w = _token(data, shape, n)
     before = s
     for i in range(n):
         s = admit(s, mx.array(k[:, :, i : i + 1]), mx.array(v[:, :, i : i + 1]), cfg)
         r = ref.admit(r, as_stored(k[:, :, i : i + 1], cfg), as_stored(v[:, :, i : i + 1], cfg), cfg)
-    cw = None if cfg.scoring == "key" else core_weights(before, w, cfg.capacity)
+    cw = None if cfg.scoring == "key" else core_weights(before, w)
     return (prefill.absorb_staged(s, mx.array(k), mx.array(v), cfg, cw),
             ref.absorb_staged(r, as_stored(k, cfg), as_stored(v, cfg), cfg, None if cfg.scoring == "key" else w))
 

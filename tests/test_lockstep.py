@@ -78,7 +78,7 @@ def test_lockstep_layers_take_decode_tokens_one_at_a_time():
     model = zoo.build("deepseek_v32")
     try:
         with pytest.warns(UserWarning, match="use evict_every=1"):
-            cache = make_h2o_cache(model, H2OConfig(budget=6, n_sink=1, grace=2, scoring="key", evict_every=4))
-        assert all(c.config.evict_every == 1 for c in h2o_caches(cache))
+            cache = make_h2o_cache(model, H2OConfig(budget=6, n_sink=1, grace=2, scoring="key"), evict_every=4)
+        assert all(c.evict_every == 1 for c in h2o_caches(cache))
     finally:
         remove_query_hook(model)

@@ -65,7 +65,7 @@ class H2OMachine(RuleBasedStateMachine):
         if cfg.scoring == "query":
             B, H, _ = self.shape
             pw = self.rng.random((B, H, n, max(self.rstate.seen) + n)).astype(np.float32)
-            cw = core_weights(self.state, pw, cfg.capacity)
+            cw = core_weights(self.state, pw)
         n_alive = None if counts is None else mx.array(counts, dtype=mx.int32)
         self.state = absorb(self.state, mx.array(k), mx.array(v), cfg, weights=cw, n_alive=n_alive)
         self.rstate = ref.absorb(self.rstate, self.stored(k), self.stored(v), cfg, weights=pw, n_alive=counts)

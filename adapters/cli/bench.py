@@ -180,8 +180,8 @@ def _staged_rows(cfg, ctx, budget: int, layers: int, repeats: int, k: int = 8) -
     """evict_every = k, per token: k admits (row writes) then the k judged as one chunk, in
     place (`absorb_staged`, what the adapter runs) and by `absorb` from the state before
     them (every row of the C slots rewritten), and that absorb alone."""
-    cfg8, tok8 = cfg._replace(evict_every=k), mx.random.normal((1, 3, k, 64))
-    start8 = absorb(init(cfg8, 1, 3, 64, mx.float32), ctx, ctx, cfg8)
+    cfg8, tok8 = cfg, mx.random.normal((1, 3, k, 64))
+    start8 = absorb(init(cfg8, 1, 3, 64, mx.float32, room=k), ctx, ctx, cfg8)
 
     def admitted(s):
         for i in range(k):
@@ -260,10 +260,8 @@ def caches_at(model, policy, budget: int, kv_bits: Optional[int], group_size: in
         f"H2O query ({budget})": lambda: make_h2o_cache(model, query),
     }
     for k in evict_every:  # decode tokens scored k at a time
-        out[f"H2O key ({budget}, evict_every {k})"] = lambda k=k: make_h2o_cache(
-            model, key._replace(evict_every=k))
-        out[f"H2O query ({budget}, evict_every {k})"] = lambda k=k: make_h2o_cache(
-            model, query._replace(evict_every=k))
+        out[f"H2O key ({budget}, evict_every {k})"] = lambda k=k: make_h2o_cache(model, key, evict_every=k)
+        out[f"H2O query ({budget}, evict_every {k})"] = lambda k=k: make_h2o_cache(model, query, evict_every=k)
     if kv_bits:
         quantized = Baseline("quantized", bits=kv_bits, group_size=group_size)
         out[quantized.name] = lambda: baselines.build(model, quantized)

@@ -156,9 +156,9 @@ def add_policy_flags(
                            help="... and its tokens ranked by the best score within +-POOL//2 positions, "
                            f"so spans survive (odd; 1: off; default {d.pool})")
     if "evict_every" in fields:
-        group.add_argument("--evict-every", type=int, default=d.evict_every,
+        group.add_argument("--evict-every", type=int, default=1,
                            help="score and evict decode tokens K at a time (one chunk; the others are "
-                           f"only written): cheaper steps, capacity budget + K (default {d.evict_every})")
+                           "only written): cheaper steps, capacity budget + K (default 1)")
 
 
 def add_allocation_flag(parser: argparse.ArgumentParser) -> None:
@@ -177,7 +177,7 @@ def policy_at(args: argparse.Namespace, budget: int, **changes) -> H2OConfig:
     H2OConfig raises it.
     """
     given = {f: getattr(args, f) for f in ("decay", "scoring", "prefill", "kv_bits", "kv_group_size",
-                                           "window", "pool", "evict_every") if hasattr(args, f)}
+                                           "window", "pool") if hasattr(args, f)}
     explicit = {f: getattr(args, f) for f in ("n_sink", "grace") if getattr(args, f, None) is not None}
     return DEFAULT_CONFIG._replace(**given).at_budget(budget)._replace(**{**explicit, **changes})
 

@@ -172,7 +172,7 @@ class H2OModelProvider(serve_compat.FixedModelProvider):
     def load_model(self, model_path: str):
         model, tokenizer = common.load_model(model_path, getattr(self.cli_args, "dequantize", False))
         budgets = allocation.budgets_for(model, self.allocation, self.config, tokenizer)
-        use_h2o(model, self.config, budgets)
+        use_h2o(model, self.config, budgets, evict_every=getattr(self.cli_args, "evict_every", 1))
         caches = make_prompt_cache(model)
         layers = h2o_caches(caches)
         budgets = [c.config.budget for c in layers]

@@ -33,7 +33,8 @@ def _passkey_rows(run: Run, specs: List[dict], protocol: str, cases: list, prefi
     for spec in specs:
         hits, seconds = [], []
         for _, key, ids in cases:
-            out, t = answer(model, spec, build_cache(model, spec), ids[: -len(question)], question, protocol, prefix)
+            cache = build_cache(model, spec, run.evict_every)
+            out, t = answer(model, spec, cache, ids[: -len(question)], question, protocol, prefix)
             hits.append(key in tokenizer.decode(out))
             seconds.append(t)
         by_depth = {str(d): sum(h for (dd, _, _), h in zip(cases, hits) if dd == d) / (len(cases) // len(depths))
@@ -54,7 +55,8 @@ def _facts_rows(run: Run, specs: List[dict], prefix: List[int]) -> dict:
     for spec in specs:
         hits = []
         for codes, context, questions in prompts:
-            outs = answers_per_question(model, spec, build_cache(model, spec), context, questions, prefix)
+            outs = answers_per_question(model, spec, build_cache(model, spec, run.evict_every), context, questions,
+                                        prefix)
             hits += [code in tokenizer.decode(o) for code, o in zip(codes, outs)]
         rows.append({**describe(spec), "found": sum(hits), "asked": len(hits)})
         print(f"facts   {spec['name']:47s} budget {str(spec['budget']):>5s}  {sum(hits)}/{len(hits)}", flush=True)
