@@ -34,20 +34,31 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import _BaseCache
 
-from h2o_fn import H2OConfig, H2OState, Policy, state_nbytes, view
+from h2o_fn import H2OConfig, H2OState, Policy, Prompt, state_nbytes, view
 from h2o_fn.metal_ops import protected_argmin
 
 from . import cache_state
 from .cache_state import CacheState, Pending, Step
 
-__all__ = ["DEFAULT_CONFIG", "BatchH2OKVCache", "H2OKVCache", "Pending", "Step"]
+__all__ = ["DEFAULT_CONFIG", "DEFAULT_PROMPT", "BatchH2OKVCache", "H2OKVCache", "Pending", "Step", "prompt_for"]
 
 # What make_h2o_cache and H2OKVCache use without a config, chosen from BENCHMARKS.md
 # (quality first, then speed; its "Streaming perplexity", "Sweep" and pass-key tables
 # hold the figures): true-query scoring with oneshot prefill, and a prompt longer than
 # 48 tokens compressed by its last 48 queries with spans of 15 kept together (chunks of
 # 16, as in streaming, are not compressed that way).
-DEFAULT_CONFIG = H2OConfig(scoring="query", prefill="oneshot", window=48, pool=15)
+DEFAULT_CONFIG = H2OConfig(scoring="query", prefill="oneshot")
+DEFAULT_PROMPT = Prompt(window=48, pool=15)
+
+
+def prompt_for(config: Optional[H2OConfig], prompt: Optional[Prompt]) -> Prompt:
+    """The prompt scoring a cache takes: `prompt`, else `DEFAULT_PROMPT` beside the default
+    config and plain oneshot (`Prompt()`) beside a config of your own."""
+    if prompt is not None:
+        if not isinstance(prompt, Prompt):
+            raise TypeError(f"prompt is a {type(prompt).__name__}: expected an h2o_fn.Prompt")
+        return prompt
+    return DEFAULT_PROMPT if config is None else Prompt()
 
 
 class H2OKVCache(_BaseCache):
@@ -59,13 +70,15 @@ class H2OKVCache(_BaseCache):
       argmin: the eviction op (`h2o_fn.metal_ops.protected_argmin`: the fused kernel on a GPU).
       state: what the cache starts from (default: empty).
       evict_every: decode tokens judged at a time, k (`staging`: budget + k slots; default 1).
+      prompt: how a prompt chunk is scored (`h2o_fn.Prompt`; default `prompt_for(config)`).
     """
 
     step = 256  # mlx-lm's KVCache growth step; H2O allocates its C slots once
 
     def __init__(self, config: Optional[H2OConfig] = None, argmin=protected_argmin,
-                 state: Optional[CacheState] = None, evict_every: Optional[int] = None):
-        self.policy = Policy(config or DEFAULT_CONFIG, argmin)
+                 state: Optional[CacheState] = None, evict_every: Optional[int] = None,
+                 prompt: Optional[Prompt] = None):
+        self.policy = Policy(config or DEFAULT_CONFIG, argmin, prompt_for(config, prompt))
         self._s = _starting(state, evict_every)
         self._view = None  # what the last update returned (for layers that share this KV)
 
@@ -91,18 +104,13 @@ class H2OKVCache(_BaseCache):
             raise RuntimeError(f"{type(self).__name__} holds no tokens yet: nothing to share")
         return self._view
 
-    keys = property(lambda self: self._store("keys"), lambda self, x: self._set_store("keys", x),
+    keys = property(lambda self: cache_state.store(self._s, "keys"),
+                    lambda self, x: setattr(self, "_s", cache_state.with_store(self._s, "keys", x)),
                     doc="The stored key rows (all C slots; a store), for models that read a cache's "
                         "arrays directly (DeepSeek sparse attention ties its caches with mx.depends).")
-    values = property(lambda self: self._store("values"), lambda self, x: self._set_store("values", x),
+    values = property(lambda self: cache_state.store(self._s, "values"),
+                      lambda self, x: setattr(self, "_s", cache_state.with_store(self._s, "values", x)),
                       doc="The stored value rows (all C slots; a store).")
-
-    def _store(self, name: str):
-        return None if self._s.core is None else getattr(self._s.core, name)
-
-    def _set_store(self, name: str, store) -> None:
-        if self._s.core is not None:
-            self._s = self._s._replace(core=self._s.core._replace(**{name: store}))
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         """None for one token of equal rows; causal over kept + N rows for a chunk."""
@@ -146,8 +154,8 @@ class H2OKVCache(_BaseCache):
         self._view = None
         return n
 
-    meta_state = property(lambda self: cache_state.meta(self._s, self.config),
-                          doc="The config and evict_every as JSON: what `state` cannot hold as arrays.")
+    meta_state = property(lambda self: cache_state.meta(self._s, self.policy),
+                          doc="The config, prompt and evict_every as JSON: what `state` cannot hold as arrays.")
 
     @property
     def state(self):
@@ -159,15 +167,16 @@ class H2OKVCache(_BaseCache):
     @state.setter
     def state(self, v):
         *arrays, meta = v
-        config, state = cache_state.from_meta(arrays, meta)
-        self.__init__(config, state=state)
+        config, prompt, state = cache_state.from_meta(arrays, meta)
+        self.__init__(config, state=state, prompt=prompt)
 
     @classmethod
     def merge(cls, caches: Sequence["H2OKVCache"]) -> "BatchH2OKVCache":
         """One batch cache from per-prompt caches (mlx-lm's batch generator): rows are
         stacked as they are, no padding (each row keeps its own length)."""
         policy = _one_policy(caches)
-        return BatchH2OKVCache(*policy, state=cache_state.stack([c.settled("merge") for c in caches], policy))
+        state = cache_state.stack([c.settled("merge") for c in caches], policy)
+        return BatchH2OKVCache(policy.config, policy.argmin, state=state, prompt=policy.prompt)
 
     # ------------------------------------------------------------ the hook's protocol
 
@@ -181,7 +190,7 @@ class H2OKVCache(_BaseCache):
 
     def scored_queries(self, N: int) -> int:
         """How many of the last tokens' N queries the awaited weights must cover."""
-        return cache_state.scored_queries(self._s, self.config, N)
+        return cache_state.scored_queries(self._s, self.policy, N)
 
     def receive_weights(self, weights: mx.array) -> None:
         """Attention weights `[B, H, M, L]` (GQA-reduced) over the rows last returned, of the
@@ -260,9 +269,9 @@ def _one_policy(caches: Sequence[H2OKVCache]) -> Policy:
             f"cannot batch H2O caches with {strangers}: build every prompt cache with "
             "make_h2o_cache(model, ...), or call use_h2o(model, ...) so that mlx-lm builds them"
         )
-    configs = {(c.config, c.evict_every) for c in caches}
+    configs = {(c.config, c.policy.prompt, c.evict_every) for c in caches}
     if len(configs) != 1:
-        raise ValueError(f"cannot merge H2O caches of different configs (config, evict_every): "
+        raise ValueError(f"cannot merge H2O caches of different configs (config, prompt, evict_every): "
                          f"{sorted(map(str, configs))}")
     return caches[0].policy
 
@@ -317,9 +326,9 @@ class BatchH2OKVCache(H2OKVCache):
 
     def extend(self, other: "BatchH2OKVCache"):
         """Append the rows of `other` (same config)."""
-        if (other.config, other.evict_every) != (self.config, self.evict_every):
-            raise ValueError(f"cannot extend a batch of {self.config} (evict_every {self.evict_every}) with one "
-                             f"of {other.config} (evict_every {other.evict_every})")
+        if (other.policy, other.evict_every) != (self.policy, self.evict_every):
+            raise ValueError(f"cannot extend a batch of {self.policy} (evict_every {self.evict_every}) with one "
+                             f"of {other.policy} (evict_every {other.evict_every})")
         rows = [r.settled("extend") for c in (self, other) for r in c.rows()]
         self._s = cache_state.stack(rows, self.policy)._replace(followed=self._s.followed)
         self._view = None
@@ -328,8 +337,8 @@ class BatchH2OKVCache(H2OKVCache):
         """Row `idx` as a single-prompt cache (its staged decode tokens stay staged)."""
         cache_state.require_settled(self._s, "extract")
         row = cache_state.take_rows(self._s, [idx])
-        return H2OKVCache(*self.policy, state=CacheState(every=self.evict_every) if self._s.core is None
-                          else row._replace(to_come=None))
+        state = CacheState(every=self.evict_every) if self._s.core is None else row._replace(to_come=None)
+        return H2OKVCache(self.config, self.argmin, state=state, prompt=self.policy.prompt)
 
     def rows(self) -> List[H2OKVCache]:
         """Every row as a single-prompt cache."""

@@ -28,7 +28,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from h2o_fn import H2OConfig, H2OState, Policy, core, prefill, retention, scoring, storage, view
+from h2o_fn import H2OConfig, H2OState, Policy, Prompt, core, prefill, retention, scoring, storage, view
 
 from . import staging
 
@@ -136,13 +136,13 @@ def _stage(s, policy, keys, values, rows):
     return (flush(s, policy) if staging.full(s.staged, s.every) else s), view.view(admitted, rows)
 
 
-def scored_queries(s: CacheState, config: H2OConfig, N: int) -> int:
+def scored_queries(s: CacheState, policy: Policy, N: int) -> int:
     """How many of the last tokens' N queries the awaited weights must cover: a prompt
     chunk is scored by its last `window` queries only (`scoring.scored_queries`)."""
     p = s.pending
     if p is None or p.keys is None:
         return N
-    return scoring.scored_queries(N, config, p.alive)
+    return scoring.scored_queries(N, policy.config, p.alive, policy.prompt)
 
 
 def kv_heads(s: CacheState) -> int:
@@ -167,7 +167,7 @@ def receive(s: CacheState, policy: Policy, weights: mx.array) -> CacheState:
         raise RuntimeError("an H2O cache got attention weights but has no tokens waiting")
     B, H = p.state.positions.shape[:2]
     N = 1 if p.keys is None else p.keys.shape[2]  # new tokens in the view
-    M = scored_queries(s, policy.config, N)
+    M = scored_queries(s, policy, N)
     if tuple(weights.shape) not in {(B, H, m, p.rows + N - 1) for m in (M, N)}:
         rows = f"{M} or {N}" if M < N else f"{N}"
         raise ValueError(f"weights shape {tuple(weights.shape)} is invalid: expected ({B}, {H}, {rows}, "
@@ -250,7 +250,8 @@ def absorb_scored(s: CacheState, policy: Policy, keys: mx.array, values: mx.arra
     check(s, policy.config, keys, values)
     N, budget = keys.shape[2], policy.config.budget
     s = _started(s, policy, keys, values)
-    state = prefill.absorb_scored(s.core, keys, values, retention.chunk_scores(s.core, scores, rows), policy.config)
+    scores = retention.chunk_scores(s.core, scores, rows)
+    state = prefill.absorb_scored(s.core, keys, values, scores, policy.config, policy.prompt)
     return s._replace(core=state, seen=tuple(a + N for a in s.seen),
                       lengths=tuple(min(k + N, budget) for k in s.lengths))
 
@@ -311,17 +312,28 @@ def from_arrays(arrays: Sequence, every: int = 1) -> CacheState:
                       staged=staging.from_arrays(*arrays[6:10]), every=every)
 
 
-def meta(s: CacheState, config: H2OConfig) -> str:
-    """The config's fields and `evict_every` as one JSON object (a cache's `meta_state`)."""
-    return json.dumps({**config._asdict(), "evict_every": s.every})
+def store(s: CacheState, name: str):
+    """The core's "keys" or "values" store (all C slots), None before the first tokens."""
+    return None if s.core is None else getattr(s.core, name)
 
 
-def from_meta(arrays: Sequence, meta_state: str) -> Tuple[H2OConfig, CacheState]:
-    """(config, state) of a saved cache: `to_arrays`' arrays and `meta`'s JSON
-    (files saved before evict_every left the config hold it among the config's fields)."""
+def with_store(s: CacheState, name: str, x) -> CacheState:
+    """`s` with the core's "keys" or "values" store replaced (nothing to replace when empty)."""
+    return s if s.core is None else s._replace(core=s.core._replace(**{name: x}))
+
+
+def meta(s: CacheState, policy: Policy) -> str:
+    """The config's and the prompt's fields and `evict_every` as one JSON object (a cache's
+    `meta_state`: the object files held when all three were the config's fields)."""
+    return json.dumps({**policy.config._asdict(), **policy.prompt._asdict(), "evict_every": s.every})
+
+
+def from_meta(arrays: Sequence, meta_state: str) -> Tuple[H2OConfig, Prompt, CacheState]:
+    """(config, prompt, state) of a saved cache: `to_arrays`' arrays and `meta`'s JSON."""
     fields = json.loads(meta_state)
     every = fields.pop("evict_every", 1)
-    return H2OConfig(**fields), from_arrays(arrays, every)
+    prompt = Prompt(**{f: fields.pop(f) for f in Prompt._fields if f in fields})
+    return H2OConfig(**fields), prompt, from_arrays(arrays, every)
 
 
 def _started(s: CacheState, policy: Policy, keys: mx.array, values: mx.array) -> CacheState:

@@ -25,18 +25,18 @@ import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import KVCache
 
-from h2o_fn import H2OConfig
+from h2o_fn import H2OConfig, Prompt
 from h2o_fn.allocation import POLICIES, pyramid
 from h2o_fn.metal_ops import protected_argmin
 
 from .attention import install_query_hook, is_hooked
-from .cache import DEFAULT_CONFIG, BatchH2OKVCache, H2OKVCache
+from .cache import DEFAULT_CONFIG, DEFAULT_PROMPT, BatchH2OKVCache, H2OKVCache, prompt_for
 from .lockstep import H2OCacheList, H2OFollower
 from .retention import REPEAT_PROMPT, cache_prompt, repeat_prefix
 
-__all__ = ["DEFAULT_CONFIG", "REPEAT_PROMPT", "BatchH2OKVCache", "H2OCacheList", "H2OFollower", "H2OKVCache",
-           "cache_prompt", "h2o_caches", "h2o_layer_count", "layer_configs", "layer_evict_every", "make_h2o_cache",
-           "repeat_prefix", "use_h2o"]
+__all__ = ["DEFAULT_CONFIG", "DEFAULT_PROMPT", "REPEAT_PROMPT", "BatchH2OKVCache", "H2OCacheList", "H2OFollower",
+           "H2OKVCache", "cache_prompt", "h2o_caches", "h2o_layer_count", "layer_configs", "layer_evict_every",
+           "make_h2o_cache", "prompt_for", "repeat_prefix", "use_h2o"]
 
 
 def _kv_per_layer(caches: Sequence[Any]) -> List[int]:
@@ -53,14 +53,15 @@ def _leaders(caches: Sequence[Any]) -> int:
     return len(_kv_per_layer(caches))
 
 
-def _build(model: nn.Module, configs: List[H2OConfig], argmin, every: Sequence[int]) -> List[Any]:
+def _build(model: nn.Module, configs: List[H2OConfig], argmin, every: Sequence[int],
+           prompt: Prompt) -> List[Any]:
     """The model's own caches with H2O in every full-attention layer (configs and
     evict_every in layer order)."""
     per_layer = iter(zip(configs, every))
 
     def h2o():
         config, k = next(per_layer)
-        return H2OKVCache(config, argmin, evict_every=k)
+        return H2OKVCache(config, argmin, evict_every=k, prompt=prompt)
 
     def convert(c):
         if type(c) is KVCache:
@@ -104,6 +105,7 @@ def make_h2o_cache(
     budgets: Union[None, str, Sequence[int]] = None,
     argmin=protected_argmin,
     evict_every: int = 1,
+    prompt: Optional[Prompt] = None,
 ) -> List[Any]:
     """The per-layer cache list for `prompt_cache=` in mlx-lm's generate functions.
 
@@ -118,6 +120,8 @@ def make_h2o_cache(
         tokenizer: `allocation.budgets_for(model, "calibrated", config, tokenizer)`).
       evict_every: decode tokens judged at a time (`H2OKVCache`'s; layers that hold
         several KV caches in lockstep take 1, with a warning naming them).
+      prompt: how prompt chunks are scored (`h2o_fn.Prompt`: SnapKV's window and pooling;
+        default `DEFAULT_PROMPT` with the default config, `Prompt()` with your own).
 
     What it installs: for `scoring="query"`, and for per-layer budgets of different
     sizes, the attention hook on the model's modules (`h2o_fn.adapters.attention`;
@@ -128,11 +132,12 @@ def make_h2o_cache(
     does not hold) fall back to key scoring, with a warning naming them.
     """
     configs = layer_configs(model, config, budgets, argmin)
-    return _build(model, configs, argmin, layer_evict_every(model, evict_every))
+    return _build(model, configs, argmin, layer_evict_every(model, evict_every), prompt_for(config, prompt))
 
 
 def use_h2o(model: nn.Module, config: Optional[H2OConfig] = None,
-            budgets: Union[None, str, Sequence[int]] = None, argmin=protected_argmin, evict_every: int = 1):
+            budgets: Union[None, str, Sequence[int]] = None, argmin=protected_argmin, evict_every: int = 1,
+            prompt: Optional[Prompt] = None):
     """Make H2O the cache mlx-lm builds for `model` everywhere: `make_prompt_cache(model)`,
     `batch_generate`, `BatchGenerator` and `mlx_lm.server` then get `make_h2o_cache`'s
     list (planned once: per-layer configs and the query-scoring probe are not redone).
@@ -144,7 +149,8 @@ def use_h2o(model: nn.Module, config: Optional[H2OConfig] = None,
         >>> undo()                                                 # doctest: +SKIP
     """
     configs, every = layer_configs(model, config, budgets, argmin), layer_evict_every(model, evict_every)
-    model.make_cache = lambda: _build(model, configs, argmin, every)
+    prompt = prompt_for(config, prompt)
+    model.make_cache = lambda: _build(model, configs, argmin, every, prompt)
 
     def undo():
         model.__dict__.pop("make_cache", None)
@@ -236,6 +242,6 @@ def _at_budget(config: H2OConfig, budget: int, layer: int) -> H2OConfig:
 
 def _layers_without_weights(model, configs: List[H2OConfig], argmin) -> List[int]:
     """H2O layers whose cache still waits for weights after one probe token."""
-    probe = _build(model, configs, argmin, [1] * len(configs))
+    probe = _build(model, configs, argmin, [1] * len(configs), Prompt())
     model(mx.array([[0]]), cache=probe)
     return [i for i, c in enumerate(h2o_caches(probe)) if c.wants_weights]

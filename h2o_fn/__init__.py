@@ -1,8 +1,8 @@
 """h2o-fn: heavy-hitter (H2O) KV-cache eviction for MLX.
 
 The pure core: `init`, `step`, `absorb`, `evict`, `remap`, `kept_positions`
-over an immutable `H2OState`, configured by a validated `H2OConfig` (bound to its
-eviction op as one value by `policy`), plus the attention view an adapter slices
+over an immutable `H2OState`, configured by a validated `H2OConfig` (the rule) and a
+`Prompt` (how a prompt is scored; both bound to the eviction op as one value by `policy`), plus the attention view an adapter slices
 (`h2o_fn.view`). Adapters for mlx-lm live in
 `h2o_fn.adapters`, the fused kernel op in `h2o_fn.metal_ops`; this package
 imports neither.
@@ -34,6 +34,7 @@ from .rule import evict, evict_lowest, protected_argmin
 from .scoring import accumulate, key_weights, scored_queries
 from .invariants import assert_invariants, check_invariants
 from .policy import Policy, policy
+from .prompt import Prompt
 from .rope import remap
 from .state import H2OState, capacity, state_nbytes
 
@@ -41,6 +42,7 @@ __all__ = [
     "H2OConfig",
     "H2OState",
     "Policy",
+    "Prompt",
     "absorb",
     "absorb_scored",
     "absorb_staged",

@@ -7,6 +7,7 @@ import mlx.core as mx
 
 from . import storage
 from .config import H2OConfig
+from .prompt import Prompt
 from .scoring import scored_queries
 from .state import H2OState
 
@@ -31,7 +32,8 @@ def check_chunk(state: H2OState, keys: mx.array, values: mx.array, config: H2OCo
     return N
 
 
-def check_weights(state: H2OState, keys: mx.array, config: H2OConfig, weights, n_alive=None) -> None:
+def check_weights(state: H2OState, keys: mx.array, config: H2OConfig, weights, n_alive=None,
+                  prompt: Prompt = Prompt()) -> None:
     if (weights is None) != (config.scoring == "key"):
         raise ValueError(
             f"got weights={None if weights is None else tuple(weights.shape)} with "
@@ -40,7 +42,7 @@ def check_weights(state: H2OState, keys: mx.array, config: H2OConfig, weights, n
         )
     if weights is not None:
         B, H, N = keys.shape[:3]
-        rows = {N, scored_queries(N, config, n_alive)}
+        rows = {N, scored_queries(N, config, n_alive, prompt)}
         if weights.ndim != 4 or tuple(weights.shape[:2]) != (B, H) or weights.shape[2] not in rows or \
                 weights.shape[3] != state.positions.shape[-1] + N:
             M = " or ".join(str(m) for m in sorted(rows))

@@ -30,16 +30,13 @@ class _Fields(NamedTuple):
     prefill: str  # "greedy" (token by token) or "oneshot" (one weight pass per chunk)
     kv_bits: Optional[int]  # None: rows in the model's dtype; else mx.quantize bits per element
     kv_group_size: int  # elements per quantization group (scale + bias) along head_dim
-    window: int  # a oneshot chunk longer than this (a prompt) scores by its last `window` queries
-    pool: int  # ... and ranks tokens by the best score within +-pool//2 positions (1: off)
 
 
-def _validate(budget, n_sink, grace, decay, scoring, prefill, kv_bits, kv_group_size, window, pool):
+def _validate(budget, n_sink, grace, decay, scoring, prefill, kv_bits, kv_group_size):
     def bad(field, value, expected):
         raise ValueError(f"H2OConfig.{field}={value!r} is invalid: expected {expected}")
 
-    for field, value in (("budget", budget), ("n_sink", n_sink), ("grace", grace), ("window", window),
-                         ("pool", pool)):
+    for field, value in (("budget", budget), ("n_sink", n_sink), ("grace", grace)):
         if isinstance(value, bool) or not isinstance(value, int):
             bad(field, value, "an int")
     if budget < 1:
@@ -63,10 +60,6 @@ def _validate(budget, n_sink, grace, decay, scoring, prefill, kv_bits, kv_group_
         bad("kv_bits", kv_bits, f"None or one of {KV_BITS}")
     if isinstance(kv_group_size, bool) or kv_group_size not in KV_GROUP_SIZES:
         bad("kv_group_size", kv_group_size, f"one of {KV_GROUP_SIZES}")
-    if window < 0:
-        bad("window", window, "window >= 0 (0: every query of a chunk scores)")
-    if pool < 1 or pool % 2 == 0:
-        bad("pool", pool, "an odd pool >= 1 (1: no pooling)")
 
 
 class H2OConfig(_Fields):
@@ -90,12 +83,10 @@ class H2OConfig(_Fields):
         prefill: str = "oneshot",
         kv_bits: Optional[int] = None,
         kv_group_size: int = 64,
-        window: int = 0,
-        pool: int = 1,
     ):
-        _validate(budget, n_sink, grace, decay, scoring, prefill, kv_bits, kv_group_size, window, pool)
+        _validate(budget, n_sink, grace, decay, scoring, prefill, kv_bits, kv_group_size)
         return super().__new__(cls, budget, n_sink, grace, float(decay), scoring, prefill, kv_bits,
-                               kv_group_size, window, pool)
+                               kv_group_size)
 
     def _replace(self, **changes) -> "H2OConfig":
         return H2OConfig(**{**self._asdict(), **changes})

@@ -1,8 +1,9 @@
 """Policy: an eviction policy as one value, the core's transitions bound to it.
 
 optax's `GradientTransformation` pairs `init` with `update`; a `Policy` pairs an
-`H2OConfig` with its eviction op (`argmin`) and offers the core's transitions with
-both bound: `init`, `step`, `admit`, `settle`, `absorb`, `absorb_staged`. Decode-sized calls go
+`H2OConfig` (the rule) with its eviction op (`argmin`) and its prefill policy (`prompt`,
+SnapKV's window and pooling) and offers the core's transitions with all three bound:
+`init`, `step`, `admit`, `settle`, `absorb`, `absorb_staged`. Decode-sized calls go
 through `mx.compile` (one trace per config, op and shape); `absorb` stays eager,
 since prompt chunks come in many lengths. A `Policy` holds no compiled function
 (they are looked up in the core's caches), so it pickles and deep-copies.
@@ -26,14 +27,17 @@ import mlx.core as mx
 
 from . import core, prefill, rule
 from .config import H2OConfig
+from .prompt import Prompt
 from .state import H2OState
 
 
 class Policy(NamedTuple):
-    """`config` (the rule) and `argmin` (the op that picks each victim)."""
+    """`config` (the rule), `argmin` (the op that picks each victim) and `prompt` (how
+    oneshot prefill scores a prompt)."""
 
     config: H2OConfig
     argmin: rule.Argmin = rule.protected_argmin
+    prompt: Prompt = Prompt()
 
     def init(self, batch: int, n_heads: int, head_dim: int, dtype=mx.float16,
              value_dim: Optional[int] = None, room: int = 1) -> H2OState:
@@ -59,7 +63,7 @@ class Policy(NamedTuple):
     def absorb(self, state: H2OState, keys: mx.array, values: mx.array, weights: Optional[mx.array] = None,
                n_alive: Optional[mx.array] = None) -> H2OState:
         """A chunk `[B, H, N, D]` evicted down to budget (`prefill.absorb`, eager)."""
-        return prefill.absorb(state, keys, values, self.config, weights, self.argmin, n_alive)
+        return prefill.absorb(state, keys, values, self.config, weights, self.argmin, n_alive, self.prompt)
 
     def absorb_staged(self, state: H2OState, keys: mx.array, values: mx.array,
                       weights: Optional[mx.array] = None) -> H2OState:
@@ -68,11 +72,15 @@ class Policy(NamedTuple):
         N exact steps from the state before them for greedy."""
         if self.config.prefill == "greedy":
             return self.absorb(core.rewind(state, keys.shape[2]), keys, values, weights)
-        return prefill.compiled_absorb_staged(self.config)(state, keys, values, weights)
+        return prefill.compiled_absorb_staged(self.config, self.prompt)(state, keys, values, weights)
 
 
-def policy(config: Optional[H2OConfig] = None, argmin: rule.Argmin = rule.protected_argmin) -> Policy:
-    """The `Policy` of `config` (default `H2OConfig()`) evicting with `argmin`."""
+def policy(config: Optional[H2OConfig] = None, argmin: rule.Argmin = rule.protected_argmin,
+           prompt: Optional[Prompt] = None) -> Policy:
+    """The `Policy` of `config` (default `H2OConfig()`) evicting with `argmin`, scoring
+    prompts by `prompt` (default `Prompt()`: every query, no pooling)."""
     if config is not None and not isinstance(config, H2OConfig):
         raise TypeError(f"config is a {type(config).__name__}: expected an H2OConfig")
-    return Policy(config or H2OConfig(), argmin)
+    if prompt is not None and not isinstance(prompt, Prompt):
+        raise TypeError(f"prompt is a {type(prompt).__name__}: expected an h2o_fn.Prompt")
+    return Policy(config or H2OConfig(), argmin, prompt or Prompt())

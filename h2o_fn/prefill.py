@@ -26,27 +26,31 @@ from .arrays import INT32_MAX, as_dtype, dense, f32, knob, per_row, stored_rows
 from .checks import check_chunk, check_weights
 from .config import H2OConfig
 from .core import compiled_step, rewind
+from .prompt import Prompt
 from .rule import Argmin, evict_lowest, protected_argmin
 from .scoring import clean_weights, scored_queries
 from .state import H2OState
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_absorb(config: H2OConfig, argmin: Argmin = protected_argmin):
+def compiled_absorb(config: H2OConfig, argmin: Argmin = protected_argmin, prompt: Prompt = Prompt()):
     """`absorb` (oneshot prefill: no sync) under `mx.compile`: `fn(state, keys, values,
     weights=None, n_alive=None)`, one trace per chunk length. Greedy prefill reads the
     length back, so it is returned uncompiled."""
     def chunk(state, keys, values, weights=None, n_alive=None):
-        return absorb(state, keys, values, config, weights, argmin, n_alive)
+        return absorb(state, keys, values, config, weights, argmin, n_alive, prompt)
 
     return chunk if config.prefill == "greedy" else mx.compile(chunk)
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_absorb_staged(config: H2OConfig):
+def compiled_absorb_staged(config: H2OConfig, prompt: Prompt = Prompt()):
     """`absorb_staged` under `mx.compile`: `fn(state, keys, values, weights=None)`, one trace
     per number of staged tokens."""
-    return mx.compile(lambda state, keys, values, weights=None: absorb_staged(state, keys, values, config, weights))
+    def staged(state, keys, values, weights=None):
+        return absorb_staged(state, keys, values, config, weights, prompt)
+
+    return mx.compile(staged)
 
 
 def absorb(
@@ -57,6 +61,7 @@ def absorb(
     weights: Optional[mx.array] = None,
     argmin: Argmin = protected_argmin,
     n_alive: Optional[mx.array] = None,
+    prompt: Prompt = Prompt(),
 ) -> H2OState:
     """Absorb a chunk of N tokens `[B, H, N, D]`; the result holds at most `budget`.
 
@@ -65,10 +70,12 @@ def absorb(
         for `scoring="query"` and refused for "key". Column j < C is the token in
         slot j of `state` (ignored where the slot is free); column C + i is chunk
         token i (ignored where i > the query's own index). Those of the last
-        M = `scored_queries(N, config, n_alive)` queries alone, `[B, H, M, C + N]`,
+        M = `scored_queries(N, config, n_alive, prompt)` queries alone, `[B, H, M, C + N]`,
         are enough (the others do not score): memory linear in N, not quadratic.
       n_alive: optional `[B]` int32: row b's first n_alive[b] tokens are real, the
         rest is padding (never kept, never scored, decays nothing). Default: all N.
+      prompt: how oneshot prefill scores a long chunk (`h2o_fn.Prompt`; default: every
+        query scores, no pooling).
 
     `config.prefill`:
       "greedy": exactly N single-token steps (one weight pass while nothing can be
@@ -77,7 +84,7 @@ def absorb(
         s <- decay^n s + sum_i decay^(n-1-i) w_i (n = the row's real tokens), then the
         lowest (score, position) unprotected tokens are evicted down to budget.
         Survivors are stored sorted by position. Fixed shapes, no sync: compiles.
-        A chunk of more than `config.window` tokens (a prompt; every chunk when window is
+        A chunk of more than `prompt.window` tokens (a prompt; every chunk when window is
         0) is compressed as SnapKV does: with window > 0 it sums only its last `window`
         queries' weights (the question), and with pool > 1 the eviction ranking (not the
         stored score) takes the best score within +-pool//2 positions (`pooled`: spans
@@ -93,11 +100,11 @@ def absorb(
         ([4, 2], [6, 2])
     """
     n = check_chunk(state, keys, values, config)
-    check_weights(state, keys, config, weights, n_alive)
+    check_weights(state, keys, config, weights, n_alive, prompt)
     if n_alive is not None and (n_alive.ndim != 1 or n_alive.shape[0] != keys.shape[0]):
         raise ValueError(f"n_alive shape {tuple(n_alive.shape)} is invalid: expected [B={keys.shape[0]}]")
     if config.prefill == "oneshot":
-        return _absorb_oneshot(state, keys, values, config, weights, n_alive)
+        return _absorb_oneshot(state, keys, values, config, weights, n_alive, prompt)
     return _absorb_greedy(state, keys, values, config, weights, argmin, n_alive, n)
 
 
@@ -181,37 +188,38 @@ def pooled(scores: mx.array, positions: mx.array, pool: int) -> mx.array:
     return mx.where(positions >= 0, back, scores)
 
 
-def _absorb_oneshot(state, keys, values, config, weights, n_alive) -> H2OState:
+def _absorb_oneshot(state, keys, values, config, weights, n_alive, prompt) -> H2OState:
     chunk_keys = stored_rows(keys, state.keys, config)
-    scores, real, pool = _oneshot_scores(state, keys, chunk_keys, config, weights, n_alive)
+    scores, real, pool = _oneshot_scores(state, keys, chunk_keys, config, weights, n_alive, prompt)
     return _keep_best(state, chunk_keys, stored_rows(values, state.values, config), scores, real, pool, config)
 
 
-def _oneshot_scores(state, keys, chunk_keys, config, weights, n_alive):
-    """(scores `[B, H, C + N]` of the slots then the chunk's tokens, real tokens `[B]`, the
-    rows ranked by pooled scores `[B]` bool or None): oneshot's rule, before any eviction."""
+def _oneshot_scores(state, keys, chunk_keys, config, weights, n_alive, prompt):
+    """(scores `[B, H, C + N]` of the slots then the chunk's tokens, real tokens `[B]`, and
+    pooling: None, or (the rows ranked by pooled scores `[B]` bool, the pool)): oneshot's
+    rule, before any eviction."""
     B, H, N, _ = keys.shape
     real = mx.broadcast_to(knob(N), (B,)) if n_alive is None else as_dtype(n_alive, mx.int32)
     # only the last scored_queries rows score (a prompt's window): the key proxy computes
     # no other row's weights, and query weights may cover those rows alone
-    first = N - (scored_queries(N, config, n_alive) if weights is None else weights.shape[2])
+    first = N - (scored_queries(N, config, n_alive, prompt) if weights is None else weights.shape[2])
     w = _chunk_weights(state, keys, chunk_keys, config, weights, n_alive, first)
-    long_chunk = N > config.window  # a prompt: scored by its last queries, ranked by spans
-    if config.window and long_chunk:
-        w = mx.where(mx.arange(first, N)[:, None] >= (real - knob(config.window))[:, None, None, None], w, 0.0)
+    long_chunk = N > prompt.window  # a prompt: scored by its last queries, ranked by spans
+    if prompt.window and long_chunk:
+        w = mx.where(mx.arange(first, N)[:, None] >= (real - knob(prompt.window))[:, None, None, None], w, 0.0)
     mass = _decayed_sum(w, config.decay, n_alive, first)  # [B, H, C + N]
     if n_alive is None:
         faded = knob(config.decay ** N, mx.float32) * state.scores
     else:
         faded = state.scores * per_row(mx.power(knob(config.decay, mx.float32), f32(real)))
     pool = None
-    if config.pool > 1 and long_chunk:  # a row is long by its real tokens, not the padded N
-        pool = real > knob(config.window)
+    if prompt.pool > 1 and long_chunk:  # a row is long by its real tokens, not the padded N
+        pool = (real > knob(prompt.window), prompt.pool)
     return mass + mx.concatenate([faded, mx.zeros((B, H, N))], axis=-1), real, pool
 
 
 def absorb_staged(state: H2OState, keys: mx.array, values: mx.array, config: H2OConfig,
-                  weights: Optional[mx.array] = None) -> H2OState:
+                  weights: Optional[mx.array] = None, prompt: Prompt = Prompt()) -> H2OState:
     """The N newest tokens of `state`, already admitted unscored (staged decode: `admit` N
     times, `[B, H, N, D]` their keys and values), scored and evicted as the oneshot chunk
     they are: the kept positions and scores of `absorb(rewind(state, N), keys, values)`.
@@ -238,8 +246,9 @@ def absorb_staged(state: H2OState, keys: mx.array, values: mx.array, config: H2O
     """
     N = check_chunk(state, keys, values, config)
     base = rewind(state, N)
-    check_weights(base, keys, config, weights)
-    scores, _, pool = _oneshot_scores(base, keys, stored_rows(keys, state.keys, config), config, weights, None)
+    check_weights(base, keys, config, weights, prompt=prompt)
+    chunk_keys = stored_rows(keys, state.keys, config)
+    scores, _, pool = _oneshot_scores(base, keys, chunk_keys, config, weights, None, prompt)
     C = state.positions.shape[-1]
     staged = state.positions - per_row(base.seen)  # staged token i sits where this is i
     chunk = mx.take_along_axis(scores[..., C:], mx.clip(staged, 0, N - 1), axis=-1)
@@ -250,8 +259,8 @@ def absorb_staged(state: H2OState, keys: mx.array, values: mx.array, config: H2O
 def _survivors(scores, positions, total, newest, pool, config, at_most=None) -> mx.array:
     """`[B, H, M]` bool: the held tokens that stay when rows of `total` `[B]` tokens are
     evicted down to budget by the lowest (score, position) unprotected (`evict_lowest`);
-    rows where `pool` `[B]` is True rank by `pooled` scores."""
-    rank = scores if pool is None else mx.where(per_row(pool), pooled(scores, positions, config.pool), scores)
+    with `pool` = (rows `[B]` bool, width), those rows rank by `pooled` scores."""
+    rank = scores if pool is None else mx.where(per_row(pool[0]), pooled(scores, positions, pool[1]), scores)
     gone = evict_lowest(rank, positions, total - knob(config.budget), newest, config.n_sink, config.grace,
                         at_most=at_most)
     return (positions >= 0) & ~gone
@@ -290,8 +299,8 @@ def _keep_best(state, chunk_keys, chunk_values, scores, real, pool, config) -> H
     """Admit a chunk (stored rows `[B, H, N, D]`, the first `real[b]` real) with `scores`
     `[B, H, C + N]` (slots, then chunk tokens), evict the lowest (score, position)
     unprotected down to budget, and store the survivors first, sorted by position.
-    `pool` `[B]` bool: rows whose ranking takes the best score within +-pool//2 positions
-    (None: no row)."""
+    `pool`: None, or (rows `[B]` bool, width): rows whose ranking takes the best score
+    within +-width//2 positions."""
     B, H, N = scores.shape[0], scores.shape[1], scores.shape[2] - state.positions.shape[-1]
     C = state.positions.shape[-1]
     arange = mx.arange(N, dtype=mx.int32)
@@ -316,7 +325,7 @@ def _keep_best(state, chunk_keys, chunk_values, scores, real, pool, config) -> H
 
 
 def absorb_scored(state: H2OState, keys: mx.array, values: mx.array, scores: mx.array,
-                  config: H2OConfig) -> H2OState:
+                  config: H2OConfig, prompt: Prompt = Prompt()) -> H2OState:
     """Absorb a chunk `[B, H, N, D]` whose scores come from elsewhere (a prompt-scoring
     pass such as `h2o_fn.retention`), then evict down to budget by the usual rule.
 
@@ -326,10 +335,10 @@ def absorb_scored(state: H2OState, keys: mx.array, values: mx.array, scores: mx.
         Sanitised like weights (NaN, inf and negatives count as 0); nothing is decayed.
 
     The lowest (score, position) unprotected tokens are evicted (sinks and the grace
-    window before the chunk's last position are protected; with `config.pool > 1` the
+    window before the chunk's last position are protected; with `prompt.pool > 1` the
     ranking takes the best score within +-pool//2 positions), and the survivors are
-    stored first, sorted by position. `config.scoring`, `prefill` and `window` do not
-    apply: the scores are given.
+    stored first, sorted by position. `config.scoring`, `prefill` and `prompt.window` do
+    not apply: the scores are given.
 
     Example:
         >>> import mlx.core as mx
@@ -346,7 +355,7 @@ def absorb_scored(state: H2OState, keys: mx.array, values: mx.array, scores: mx.
         raise ValueError(f"scores shape {tuple(scores.shape)} is invalid: expected {expected} "
                          "(the state's slots, then the chunk's tokens)")
     real = mx.broadcast_to(knob(N), (keys.shape[0],))
-    pool = mx.broadcast_to(mx.array(True), (keys.shape[0],)) if config.pool > 1 else None
+    pool = (mx.broadcast_to(mx.array(True), (keys.shape[0],)), prompt.pool) if prompt.pool > 1 else None
     return _keep_best(state, stored_rows(keys, state.keys, config), stored_rows(values, state.values, config),
                       clean_weights(scores), real, pool, config)
 

@@ -30,6 +30,8 @@ from typing import List
 
 import numpy as np
 
+from .prompt import Prompt
+
 
 @dataclass
 class Token:
@@ -160,7 +162,8 @@ def step(state: RefState, key, value, config, weights=None, argmin=None, alive=N
     return absorb(state, key, value, config._replace(prefill="greedy"), weights, n_alive=n_alive)
 
 
-def absorb(state: RefState, keys, values, config, weights=None, argmin=None, n_alive=None) -> RefState:
+def absorb(state: RefState, keys, values, config, weights=None, argmin=None, n_alive=None,
+           prompt: Prompt = Prompt()) -> RefState:
     """N tokens `[B, H, N, D]`; `weights` `[B, H, N, P]` by position for scoring="query";
     row b's tokens from n_alive[b] on are padding."""
     del argmin
@@ -180,20 +183,20 @@ def absorb(state: RefState, keys, values, config, weights=None, argmin=None, n_a
                                       config, weight_of)
             elif n:
                 head = _oneshot_head(head, keys[b, h, :n], values[b, h, :n], state.seen[b], config,
-                                     None if weights is None else weights[b, h])
+                                     None if weights is None else weights[b, h], prompt)
             state.heads[b][h] = head
         state.seen[b] += n
     return state
 
 
-def _oneshot_head(head, keys, values, seen, config, weights):
+def _oneshot_head(head, keys, values, seen, config, weights, prompt):
     """All of a chunk's weights at once, decayed sums, then evict down to budget."""
     N = len(keys)
     chunk = [Token(seen + i, keys[i], values[i]) for i in range(N)]
     everyone = head + chunk
     for t in head:
         t.score = config.decay**N * t.score
-    first = N - config.window if config.window and N > config.window else 0
+    first = N - prompt.window if prompt.window and N > prompt.window else 0
     for i in range(N):
         if i < first:  # a long chunk scores by its last `window` queries only
             continue
@@ -205,7 +208,7 @@ def _oneshot_head(head, keys, values, seen, config, weights):
             w = [clean(weights[i, t.position]) for t in seen_by_i]
         for t, wj in zip(seen_by_i, w):
             t.score += config.decay ** (N - 1 - i) * wj
-    r = config.pool // 2 if N > config.window else 0  # pooling ranks long chunks only
+    r = prompt.pool // 2 if N > prompt.window else 0  # pooling ranks long chunks only
     return _keep_best(everyone, seen + N - 1, r, config)
 
 
@@ -222,7 +225,7 @@ def _keep_best(everyone: List[Token], newest: int, r: int, config) -> List[Token
     return [t for t in everyone if id(t) not in gone]
 
 
-def absorb_scored(state: RefState, keys, values, scores, config) -> RefState:
+def absorb_scored(state: RefState, keys, values, scores, config, prompt: Prompt = Prompt()) -> RefState:
     """N tokens `[B, H, N, D]` whose scores are given: `scores[b, h, p]` is the new score of
     row b's token at position p (kept or in the chunk); then evict down to budget."""
     keys, values = np.asarray(keys, np.float64), np.asarray(values, np.float64)
@@ -235,7 +238,7 @@ def absorb_scored(state: RefState, keys, values, scores, config) -> RefState:
             everyone = state.heads[b][h] + [Token(seen + i, keys[b, h, i], values[b, h, i]) for i in range(N)]
             for t in everyone:
                 t.score = clean(scores[b, h, t.position])
-            state.heads[b][h] = _keep_best(everyone, seen + N - 1, config.pool // 2, config)
+            state.heads[b][h] = _keep_best(everyone, seen + N - 1, prompt.pool // 2, config)
         state.seen[b] += N
     return state
 
@@ -270,11 +273,11 @@ def chunk_scores(state: RefState, scores, rows=None) -> List[List[dict]]:
     return out
 
 
-def absorb_staged(state: RefState, keys, values, config, weights=None) -> RefState:
+def absorb_staged(state: RefState, keys, values, config, weights=None, prompt: Prompt = Prompt()) -> RefState:
     """The N newest tokens of `state` (admitted, unscored) scored as one oneshot chunk from
     the state before them; `weights` `[B, H, N, P]` by position."""
     before = rewind(state, np.asarray(keys).shape[2])
-    return absorb(before, keys, values, config._replace(prefill="oneshot"), weights)
+    return absorb(before, keys, values, config._replace(prefill="oneshot"), weights, prompt=prompt)
 
 
 def rewind(state: RefState, n: int) -> RefState:

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from .arrays import dense, f32, knob, per_row
 from .config import H2OConfig
+from .prompt import Prompt
 from .state import H2OState
 
 
@@ -67,16 +68,18 @@ def accumulate(state: H2OState, weights: mx.array, config: H2OConfig,
     return state._replace(scores=mx.where(valid, new, 0.0))
 
 
-def scored_queries(N: int, config: H2OConfig, n_alive: Optional[mx.array] = None) -> int:
-    """How many of a chunk's last queries `absorb` reads the weights of: `config.window`
+def scored_queries(N: int, config: H2OConfig, n_alive: Optional[mx.array] = None,
+                   prompt: Prompt = Prompt()) -> int:
+    """How many of a chunk's last queries `absorb` reads the weights of: `prompt.window`
     for a oneshot chunk longer than the window whose rows are all real (SnapKV's prompt
     window), else all N. Weights `[B, H, M, C + N]` of those M queries are enough.
 
     Example:
-        >>> from h2o_fn import H2OConfig
-        >>> scored_queries(2048, H2OConfig(scoring="query", window=48)), scored_queries(32, H2OConfig(window=48))
+        >>> from h2o_fn import H2OConfig, Prompt
+        >>> cfg, prompt = H2OConfig(scoring="query"), Prompt(window=48)
+        >>> scored_queries(2048, cfg, prompt=prompt), scored_queries(32, cfg, prompt=prompt)
         (48, 32)
     """
-    if config.prefill == "oneshot" and 0 < config.window < N and n_alive is None:
-        return config.window
+    if config.prefill == "oneshot" and 0 < prompt.window < N and n_alive is None:
+        return prompt.window
     return N

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from h2o_fn import H2OConfig, absorb, assert_invariants, check_invariants, init, kept_positions, step
+from h2o_fn import H2OConfig, Prompt, absorb, assert_invariants, check_invariants, init, kept_positions, step
 from h2o_fn.adapters.attention import (
     attention_with_weights,
     install_query_hook,
@@ -26,7 +26,7 @@ from h2o_fn.adapters.attention import (
     query_scoring,
     remove_query_hook,
 )
-from h2o_fn.adapters.mlx_lm import DEFAULT_CONFIG, H2OKVCache, h2o_caches, make_h2o_cache
+from h2o_fn.adapters.mlx_lm import DEFAULT_CONFIG, DEFAULT_PROMPT, H2OKVCache, h2o_caches, make_h2o_cache
 
 from helpers import same
 from tiny_models import ARCHS, tiny_model
@@ -171,7 +171,10 @@ def test_defaults_agree():
     model = tiny_model("llama")
     try:
         assert H2OKVCache().config == DEFAULT_CONFIG == make_h2o_cache(model)[0].config
-        assert DEFAULT_CONFIG == H2OConfig(scoring="query", window=48, pool=15)  # the rest: the policy defaults
+        assert DEFAULT_CONFIG == H2OConfig(scoring="query")  # the rest: the policy defaults
+        assert DEFAULT_PROMPT == Prompt(window=48, pool=15)
+        assert H2OKVCache().policy.prompt == DEFAULT_PROMPT == make_h2o_cache(model)[0].policy.prompt
+        assert H2OKVCache(H2OConfig()).policy.prompt == Prompt()  # beside a config of your own: plain oneshot
     finally:
         remove_query_hook(model)
 

@@ -7,6 +7,7 @@ from hypothesis import given, strategies as st
 
 from h2o_fn import (
     H2OConfig,
+    Prompt,
     absorb,
     accumulate,
     admit,
@@ -21,7 +22,7 @@ from h2o_fn import (
 from h2o_fn.rule import evict_lowest
 
 from helpers import chunk_weights, core_weights, kept, same, scores
-from strategies import configs, make_stream, shapes, streams
+from strategies import configs, make_stream, prompts, shapes, streams
 
 
 def run_steps(cfg, keys, values=None, dtype=mx.float32):
@@ -101,27 +102,27 @@ def test_a_prompt_chunks_last_window_weights_are_enough(data):
     weights of its last `scored_queries` queries as from all N (the others do not score):
     the same kept positions and rows, scores equal up to float32 reassociation."""
     cfg = data.draw(configs(scoring="query", prefill="oneshot"))
-    cfg = cfg._replace(window=data.draw(st.integers(1, 12)))
+    prompt = data.draw(prompts())._replace(window=data.draw(st.integers(1, 12)))
     shape = data.draw(shapes(max_d=16, config=cfg))
-    stream = data.draw(streams(shape, min_len=cfg.window + 1, max_len=cfg.budget + 40, decay=cfg.decay))
+    stream = data.draw(streams(shape, min_len=prompt.window + 1, max_len=cfg.budget + 40, decay=cfg.decay))
     k, v = mx.array(stream.keys), mx.array(stream.values)
-    prefix = data.draw(st.integers(0, k.shape[2] - cfg.window - 1))
+    prefix = data.draw(st.integers(0, k.shape[2] - prompt.window - 1))
     state = init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32)
     if prefix:
         w = core_weights(state, chunk_weights(stream, 0, prefix))
-        state = absorb(state, k[:, :, :prefix], v[:, :, :prefix], cfg, w)
+        state = absorb(state, k[:, :, :prefix], v[:, :, :prefix], cfg, w, prompt=prompt)
     N = k.shape[2] - prefix
-    M = scored_queries(N, cfg)
-    assert M == cfg.window < N
+    M = scored_queries(N, cfg, prompt=prompt)
+    assert M == prompt.window < N
     w = core_weights(state, chunk_weights(stream, prefix, N))  # [B, H, N, C + N]
-    full = absorb(state, k[:, :, prefix:], v[:, :, prefix:], cfg, w)
-    last = absorb(state, k[:, :, prefix:], v[:, :, prefix:], cfg, w[:, :, N - M :])
+    full = absorb(state, k[:, :, prefix:], v[:, :, prefix:], cfg, w, prompt=prompt)
+    last = absorb(state, k[:, :, prefix:], v[:, :, prefix:], cfg, w[:, :, N - M :], prompt=prompt)
     assert kept(last) == kept(full)
     for field in ("keys", "values", "positions", "length", "seen"):
         assert same(getattr(last, field), getattr(full, field)), field
     np.testing.assert_allclose(np.array(last.scores), np.array(full.scores), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=f"expected \\(.*, {M} or {N},"):
-        absorb(state, k[:, :, prefix:], v[:, :, prefix:], cfg, w[:, :, N - M + 1 :])
+        absorb(state, k[:, :, prefix:], v[:, :, prefix:], cfg, w[:, :, N - M + 1 :], prompt=prompt)
 
 
 @given(st.data())
@@ -229,14 +230,18 @@ def test_a_4000_token_absorb_below_budget_completes():
         (dict(budget=8.0), "budget"),
         (dict(kv_bits=7), "kv_bits"),
         (dict(kv_group_size=16), "kv_group_size"),
-        (dict(window=-1), "window"),
-        (dict(pool=4), "pool"),
-        (dict(pool=0), "pool"),
     ],
 )
 def test_bad_configs_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field.replace("+", r"\+")):
         H2OConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [(dict(window=-1), "window"), (dict(window=2.0), "window"),
+                                           (dict(pool=4), "pool"), (dict(pool=0), "pool")])
+def test_bad_prompts_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"Prompt.{field}="):
+        Prompt(**kwargs)
 
 
 def test_replace_validates_too():

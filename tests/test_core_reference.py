@@ -17,7 +17,7 @@ from h2o_fn import core, prefill, rule, scoring
 from h2o_fn import reference as ref
 
 from helpers import assert_matches, chunk_weights, core_weights, dequantized
-from strategies import chunk_sizes, configs, draw_alive, shapes, streams
+from strategies import chunk_sizes, configs, draw_alive, prompts, shapes, streams
 
 
 def as_stored(x: np.ndarray, cfg) -> np.ndarray:
@@ -37,11 +37,11 @@ def padded_chunk(stream, starts, counts, n):
     return k, v
 
 
-def run_chunks(cfg, shape, stream, sizes, alive=None, check_every=True, room=1):
+def run_chunks(cfg, shape, stream, sizes, alive=None, check_every=True, room=1, prompt=h2o_fn.Prompt()):
     """Absorb `stream` in chunks of `sizes` into core and reference; compare after each.
 
     `alive[c][b]`: how many of chunk c's tokens are real in row b (default: all);
-    `room`: the core's slots beyond the budget.
+    `room`: the core's slots beyond the budget; `prompt`: how oneshot scores long chunks.
     """
     state = init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32, room=room)
     rstate = ref.init(cfg, shape.B, shape.H, shape.D)
@@ -53,9 +53,9 @@ def run_chunks(cfg, shape, stream, sizes, alive=None, check_every=True, room=1):
         n_alive = mx.array(counts, dtype=mx.int32) if ragged else None
         pw = chunk_weights(stream, starts, n) if cfg.scoring == "query" else None
         cw = None if pw is None else core_weights(state, pw)
-        state = absorb(state, mx.array(k), mx.array(v), cfg, weights=cw, n_alive=n_alive)
+        state = absorb(state, mx.array(k), mx.array(v), cfg, weights=cw, n_alive=n_alive, prompt=prompt)
         rstate = ref.absorb(rstate, as_stored(k, cfg), as_stored(v, cfg), cfg, weights=pw,
-                            n_alive=None if n_alive is None else counts)
+                            n_alive=None if n_alive is None else counts, prompt=prompt)
         starts = [s + c for s, c in zip(starts, counts)]
         if check_every:
             assert_invariants(state, cfg)
@@ -86,7 +86,7 @@ def test_absorb_matches_reference_every_chunk(data):
     shape = data.draw(shapes(max_d=16, config=cfg))
     stream = data.draw(streams(shape, decay=cfg.decay))
     sizes = data.draw(chunk_sizes(stream.keys.shape[2]))
-    run_chunks(cfg, shape, stream, sizes, draw_alive(data, sizes, shape.B))
+    run_chunks(cfg, shape, stream, sizes, draw_alive(data, sizes, shape.B), prompt=data.draw(prompts()))
 
 
 @given(st.data())
@@ -109,7 +109,8 @@ def _prefix(data, cfg, max_len=None):
     sizes = data.draw(chunk_sizes(stream.keys.shape[2]))
     alive = draw_alive(data, sizes, shape.B)
     room = data.draw(st.sampled_from([1, 1, 1, 3]))  # 3: the slots of three staged decode tokens
-    state, rstate = run_chunks(cfg._replace(prefill="oneshot"), shape, stream, sizes, alive, False, room)
+    state, rstate = run_chunks(cfg._replace(prefill="oneshot"), shape, stream, sizes, alive, False, room,
+                               data.draw(prompts()))
     return shape, state, rstate
 
 
@@ -192,9 +193,10 @@ def twin_absorb(data, cfg):
     n_alive = None if counts == [n] * shape.B else counts
     cw = None if cfg.scoring == "key" else core_weights(s, w)
     rw = None if cfg.scoring == "key" else w
+    prompt = data.draw(prompts())
     return (absorb(s, mx.array(k), mx.array(v), cfg, cw,
-                   n_alive=None if n_alive is None else mx.array(n_alive)),
-            ref.absorb(r, as_stored(k, cfg), as_stored(v, cfg), cfg, rw, n_alive=n_alive))
+                   n_alive=None if n_alive is None else mx.array(n_alive), prompt=prompt),
+            ref.absorb(r, as_stored(k, cfg), as_stored(v, cfg), cfg, rw, n_alive=n_alive, prompt=prompt))
 
 
 def twin_absorb_scored(data, cfg):
@@ -205,8 +207,9 @@ def twin_absorb_scored(data, cfg):
     seen = np.array(s.seen)[:, None, None]
     chunk = np.take_along_axis(by_position, seen + np.arange(n), axis=-1)
     scores = mx.concatenate([_slot_weights(s, by_position), mx.array(chunk)], axis=-1)
-    return (h2o_fn.absorb_scored(s, mx.array(k), mx.array(v), scores, cfg),
-            ref.absorb_scored(r, as_stored(k, cfg), as_stored(v, cfg), by_position, cfg))
+    prompt = data.draw(prompts())
+    return (h2o_fn.absorb_scored(s, mx.array(k), mx.array(v), scores, cfg, prompt),
+            ref.absorb_scored(r, as_stored(k, cfg), as_stored(v, cfg), by_position, cfg, prompt))
 
 
 def twin_absorb_staged(data, cfg):
@@ -218,8 +221,10 @@ def twin_absorb_staged(data, cfg):
         s = admit(s, mx.array(k[:, :, i : i + 1]), mx.array(v[:, :, i : i + 1]), cfg)
         r = ref.admit(r, as_stored(k[:, :, i : i + 1], cfg), as_stored(v[:, :, i : i + 1], cfg), cfg)
     cw = None if cfg.scoring == "key" else core_weights(before, w)
-    return (prefill.absorb_staged(s, mx.array(k), mx.array(v), cfg, cw),
-            ref.absorb_staged(r, as_stored(k, cfg), as_stored(v, cfg), cfg, None if cfg.scoring == "key" else w))
+    prompt = data.draw(prompts())
+    return (prefill.absorb_staged(s, mx.array(k), mx.array(v), cfg, cw, prompt),
+            ref.absorb_staged(r, as_stored(k, cfg), as_stored(v, cfg), cfg, None if cfg.scoring == "key" else w,
+                              prompt))
 
 
 def twin_rewind(data, cfg):

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 
-from h2o_fn import H2OConfig, absorb_scored, assert_invariants, init, kept_positions, step
+from h2o_fn import H2OConfig, Prompt, absorb_scored, assert_invariants, init, kept_positions, step
 from h2o_fn import reference as ref
 from h2o_fn import retention, view
 from h2o_fn.adapters.attention import remove_query_hook
@@ -35,17 +35,17 @@ def test_aggregate_rejects_a_head_count_that_does_not_divide():
         retention.aggregate(mx.zeros((1, 3, 2, 4)), 2)
 
 
-def _scored_states(data, cfg):
+def _scored_states(data, cfg, prompt=Prompt()):
     """A core state and its twin after one or two scored chunks, plus the rng."""
     B, H, D = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2)), 4
     rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
     s, r = init(cfg, B, H, D, dtype=mx.float32), ref.init(cfg, B, H, D)
     for _ in range(data.draw(st.integers(1, 2))):
-        s, r = _absorb_both(s, r, rng, data.draw(st.integers(1, 2 * cfg.budget)), cfg)
+        s, r = _absorb_both(s, r, rng, data.draw(st.integers(1, 2 * cfg.budget)), cfg, prompt)
     return s, r, rng
 
 
-def _absorb_both(s, r, rng, n, cfg):
+def _absorb_both(s, r, rng, n, cfg, prompt):
     """One chunk of n random tokens scored by random weights, through the core (compact,
     chunk_scores, absorb_scored) and through the reference twins."""
     B, H, C = s.positions.shape
@@ -72,16 +72,16 @@ def _absorb_both(s, r, rng, n, cfg):
         for h in range(H):
             for p, v in want[b][h].items():
                 merged[b, h, p] = v
-    return (absorb_scored(s, mx.array(k), mx.array(k), got, cfg),
-            ref.absorb_scored(r, k, k, merged, cfg))
+    return (absorb_scored(s, mx.array(k), mx.array(k), got, cfg, prompt),
+            ref.absorb_scored(r, k, k, merged, cfg, prompt))
 
 
 @settings(max_examples=30)
 @given(st.data())
 def test_chunk_scores_then_absorb_scored_equal_the_reference(data):
     cfg = H2OConfig(budget=data.draw(st.integers(4, 8)), n_sink=data.draw(st.integers(0, 1)),
-                    grace=data.draw(st.integers(0, 2)), pool=data.draw(st.sampled_from([1, 3])))
-    s, r, _ = _scored_states(data, cfg)
+                    grace=data.draw(st.integers(0, 2)))
+    s, r, _ = _scored_states(data, cfg, Prompt(pool=data.draw(st.sampled_from([1, 3]))))
     assert_invariants(s, cfg)
     assert_matches(s, r, where=str(cfg), config=cfg)
 
@@ -154,8 +154,8 @@ def test_a_prompt_within_budget_gives_the_full_cache_logits(arch):
 
 @pytest.mark.parametrize("chunk", [7, 64])
 def test_a_long_prompt_is_held_to_budget_in_every_layer(llama, chunk):
-    cfg = H2OConfig(budget=12, n_sink=1, grace=2, pool=3)
-    cache = make_h2o_cache(llama, cfg)
+    cfg = H2OConfig(budget=12, n_sink=1, grace=2)
+    cache = make_h2o_cache(llama, cfg, prompt=Prompt(pool=3))
     assert cache_prompt(llama, PROMPT, cache, chunk_size=chunk) is cache
     for c in cache:
         assert c.tokens_seen == len(PROMPT) and c.tokens_kept == cfg.budget

@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from h2o_fn import H2OConfig  # noqa: E402
+from h2o_fn import H2OConfig, Prompt  # noqa: E402
 from h2o_fn.adapters import gguf  # noqa: E402
 from h2o_fn.adapters.cli import serve, serve_compat, serve_requests  # noqa: E402
 
@@ -406,12 +406,12 @@ def test_the_prompt_cache_never_trims_an_evicted_entry_and_never_returns_nothing
 class _Provider:
     """What PromptReader reads of mlx_lm.server's ModelProvider: the model, its key, a tokenizer."""
 
-    def __init__(self, model, config):
+    def __init__(self, model, config, prompt):
         from h2o_fn.adapters.mlx_lm import use_h2o
 
         self.model, self.model_key, self.config = model, "m", config
         self.tokenizer = type("Tok", (), {"encode": lambda self, text, add_special_tokens=True: [3, 4, 5]})()
-        self.undo = use_h2o(model, config)
+        self.undo = use_h2o(model, config, prompt=prompt)
 
 
 def test_a_long_prompt_is_read_with_the_repeat_pass_and_its_entry_answers_the_next_turn():
@@ -425,10 +425,10 @@ def test_a_long_prompt_is_read_with_the_repeat_pass_and_its_entry_answers_the_ne
     from tiny_models import tiny_model
 
     model = tiny_model("llama")
-    config = H2OConfig(budget=12, n_sink=1, grace=2, window=6)
-    provider = _Provider(model, config)
+    config = H2OConfig(budget=12, n_sink=1, grace=2)
+    provider = _Provider(model, config, Prompt(window=6))
     try:
-        reader = serve.PromptReader(provider, tail=config.window)
+        reader = serve.PromptReader(provider, tail=6)
         pc = serve.H2OPromptCache(max_size=10, reader=reader)
         doc = [(7 * i) % 101 for i in range(1, 41)]  # 40 tokens
         cache, rest = pc.fetch_nearest_cache("m", doc)

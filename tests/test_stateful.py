@@ -13,16 +13,16 @@ from h2o_fn import absorb, accumulate, admit, check_invariants, evict, init, key
 from h2o_fn import reference as ref
 
 from helpers import assert_matches, core_weights, dequantized
-from strategies import MILD_DECAY, configs, shapes
+from strategies import MILD_DECAY, configs, prompts, shapes
 
 
 class H2OMachine(RuleBasedStateMachine):
     """One config per run; every rule is applied to the core and to the reference."""
 
-    @initialize(cfg=configs(max_budget=24), data=st.data(), seed=st.integers(0, 2**31 - 1),
+    @initialize(cfg=configs(max_budget=24), prompt=prompts(), data=st.data(), seed=st.integers(0, 2**31 - 1),
                 tied=st.booleans())
-    def setup(self, cfg, data, seed, tied):
-        self.cfg = cfg
+    def setup(self, cfg, prompt, data, seed, tied):
+        self.cfg, self.prompt = cfg, prompt
         self.shape = shape = data.draw(shapes(max_d=8, config=cfg))
         self.rng = np.random.default_rng(seed)
         self.tied = tied and cfg.decay >= MILD_DECAY  # see strategies.py on degenerate keys
@@ -67,8 +67,10 @@ class H2OMachine(RuleBasedStateMachine):
             pw = self.rng.random((B, H, n, max(self.rstate.seen) + n)).astype(np.float32)
             cw = core_weights(self.state, pw)
         n_alive = None if counts is None else mx.array(counts, dtype=mx.int32)
-        self.state = absorb(self.state, mx.array(k), mx.array(v), cfg, weights=cw, n_alive=n_alive)
-        self.rstate = ref.absorb(self.rstate, self.stored(k), self.stored(v), cfg, weights=pw, n_alive=counts)
+        self.state = absorb(self.state, mx.array(k), mx.array(v), cfg, weights=cw, n_alive=n_alive,
+                            prompt=self.prompt)
+        self.rstate = ref.absorb(self.rstate, self.stored(k), self.stored(v), cfg, weights=pw, n_alive=counts,
+                                 prompt=self.prompt)
 
     @precondition(lambda self: self.cfg.scoring == "key")
     @rule()

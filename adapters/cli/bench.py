@@ -40,9 +40,15 @@ from h2o_fn import (
 
 from ..attention import query_scoring
 from ..metrics import corpus_tokens
-from ..mlx_lm import H2OKVCache, make_h2o_cache
+from ..mlx_lm import DEFAULT_PROMPT, H2OKVCache, make_h2o_cache
 from . import baselines, common
 from .baselines import Baseline
+
+
+def h2o_cache(model, config, **options) -> list:
+    """`make_h2o_cache` with the commands' default prompt scoring (`DEFAULT_PROMPT`: bench
+    has no --window/--pool flags) unless `options` say otherwise."""
+    return make_h2o_cache(model, config, **{"prompt": DEFAULT_PROMPT, **options})
 
 
 def timed(fn, repeats: int) -> float:
@@ -256,18 +262,18 @@ def caches_at(model, policy, budget: int, kv_bits: Optional[int], group_size: in
     out = {
         "full KVCache": lambda: baselines.build(model, Baseline("full")),
         rotating.name: lambda: baselines.build(model, rotating),
-        f"H2O key ({budget})": lambda: make_h2o_cache(model, key),
-        f"H2O query ({budget})": lambda: make_h2o_cache(model, query),
+        f"H2O key ({budget})": lambda: h2o_cache(model, key),
+        f"H2O query ({budget})": lambda: h2o_cache(model, query),
     }
     for k in evict_every:  # decode tokens scored k at a time
-        out[f"H2O key ({budget}, evict_every {k})"] = lambda k=k: make_h2o_cache(model, key, evict_every=k)
-        out[f"H2O query ({budget}, evict_every {k})"] = lambda k=k: make_h2o_cache(model, query, evict_every=k)
+        out[f"H2O key ({budget}, evict_every {k})"] = lambda k=k: h2o_cache(model, key, evict_every=k)
+        out[f"H2O query ({budget}, evict_every {k})"] = lambda k=k: h2o_cache(model, query, evict_every=k)
     if kv_bits:
         quantized = Baseline("quantized", bits=kv_bits, group_size=group_size)
         out[quantized.name] = lambda: baselines.build(model, quantized)
-        out[f"H2O key ({budget}, {kv_bits}-bit)"] = lambda: make_h2o_cache(
+        out[f"H2O key ({budget}, {kv_bits}-bit)"] = lambda: h2o_cache(
             model, key._replace(kv_bits=kv_bits))
-        out[f"H2O query ({budget}, {kv_bits}-bit)"] = lambda: make_h2o_cache(
+        out[f"H2O query ({budget}, {kv_bits}-bit)"] = lambda: h2o_cache(
             model, query._replace(kv_bits=kv_bits))
     return out
 
@@ -290,17 +296,17 @@ def bench_prefill(model, tokens, policy, budget, kv_bits, chunk, repeats) -> lis
     rows = []
     variants = {
         "full KVCache": lambda: baselines.build(model, Baseline("full")),
-        f"H2O key greedy ({budget})": lambda: make_h2o_cache(
+        f"H2O key greedy ({budget})": lambda: h2o_cache(
             model, policy(budget, scoring="key", prefill="greedy", kv_bits=None)),
-        f"H2O key oneshot ({budget})": lambda: make_h2o_cache(
+        f"H2O key oneshot ({budget})": lambda: h2o_cache(
             model, policy(budget, scoring="key", prefill="oneshot", kv_bits=None)),
-        f"H2O query oneshot ({budget})": lambda: make_h2o_cache(
+        f"H2O query oneshot ({budget})": lambda: h2o_cache(
             model, policy(budget, scoring="query", prefill="oneshot", kv_bits=None)),
     }
     if kv_bits:
         for scoring in ("key", "query"):
             variants[f"H2O {scoring} oneshot ({budget}, {kv_bits}-bit)"] = (
-                lambda s=scoring: make_h2o_cache(model, policy(budget, scoring=s, prefill="oneshot",
+                lambda s=scoring: h2o_cache(model, policy(budget, scoring=s, prefill="oneshot",
                                                                kv_bits=kv_bits)))
     for name, make in variants.items():
         runs = []

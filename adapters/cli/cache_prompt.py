@@ -110,7 +110,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     ids = prompt_ids(tokenizer, prompt, chat, args.system_prompt)
     start = time.perf_counter()
     with query_scoring(model):
-        cache = make_h2o_cache(model, config, evict_every=args.evict_every)
+        cache = make_h2o_cache(model, config, **common.cache_options(parser, args))
         cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(tokenizer), chunk_size=args.chunk_size)
     seconds = time.perf_counter() - start
     kept = max(c.tokens_kept for c in h2o_caches(cache))

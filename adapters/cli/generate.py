@@ -256,7 +256,7 @@ def _run_h2o(parser, args, model, tokenizer, ids, config) -> dict:
     budgets = allocation.budgets_for(model, args.allocation, config, tokenizer)
     if budgets is not None:
         print(f"per-layer budgets ({args.allocation}): {budgets}")
-    cache = make_h2o_cache(model, config, budgets=budgets, evict_every=args.evict_every)
+    cache = make_h2o_cache(model, config, budgets=budgets, **common.cache_options(parser, args))
     kept_map = None
     if args.kept_map is not None:
         n = len(h2o_caches(cache))

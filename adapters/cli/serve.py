@@ -70,10 +70,10 @@ import mlx.core as mx
 from mlx_lm import server as mlx_server
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from h2o_fn import H2OConfig
+from h2o_fn import H2OConfig, Prompt
 
 from .. import allocation
-from ..mlx_lm import h2o_caches, use_h2o
+from ..mlx_lm import h2o_caches, prompt_for, use_h2o
 from ..retention import cache_prompt, repeat_prefix
 from . import common, serve_compat, serve_requests
 
@@ -164,20 +164,24 @@ class H2OModelProvider(serve_compat.FixedModelProvider):
     (GGUF files too) and `use_h2o(model, config)` applied, so every cache mlx-lm builds is H2O."""
 
     def __init__(self, cli_args: argparse.Namespace, config: H2OConfig,
-                 allocation_policy: str = allocation.DEFAULT_ALLOCATION):
+                 allocation_policy: str = allocation.DEFAULT_ALLOCATION, options: Optional[dict] = None):
         super().__init__(cli_args)
         self.config = config
         self.allocation = allocation_policy
+        self.options = dict(options or {})  # use_h2o's prompt and evict_every (common.cache_options)
+
+    prompt = property(lambda self: prompt_for(self.config, self.options.get("prompt")),
+                      doc="How the caches score a prompt chunk (h2o_fn.Prompt).")
 
     def load_model(self, model_path: str):
         model, tokenizer = common.load_model(model_path, getattr(self.cli_args, "dequantize", False))
         budgets = allocation.budgets_for(model, self.allocation, self.config, tokenizer)
-        use_h2o(model, self.config, budgets, evict_every=getattr(self.cli_args, "evict_every", 1))
+        use_h2o(model, self.config, budgets, **self.options)
         caches = make_prompt_cache(model)
         layers = h2o_caches(caches)
         budgets = [c.config.budget for c in layers]
         log.info("H2O on %d of %d layers of %s: %s; budgets (%s) %s", len(layers), len(caches),
-                 model_path, _policy(self.config), self.allocation,
+                 model_path, _policy(self.config, self.prompt), self.allocation,
                  budgets if len(set(budgets)) > 1 else f"{budgets[0]} in every layer")
         return model, tokenizer
 
@@ -200,8 +204,8 @@ class H2OModelProvider(serve_compat.FixedModelProvider):
         return [c.config.budget for c in h2o_caches(make_prompt_cache(self.model))]
 
 
-def _policy(config: H2OConfig) -> str:
-    return ", ".join(f"{k}={v}" for k, v in config._asdict().items())
+def _policy(config: H2OConfig, prompt: Prompt) -> str:
+    return ", ".join(f"{k}={v}" for k, v in {**config._asdict(), **prompt._asdict()}.items())
 
 
 # ---------------------------------------------------------------- the prompt cache
@@ -346,7 +350,7 @@ def server_stats(response_generator) -> dict:
     budgets = provider.h2o_budgets()
     out = {
         "model": None if model_key is None else model_key[0],
-        "policy": provider.config._asdict(),
+        "policy": {**provider.config._asdict(), **provider.prompt._asdict()},
         "h2o_layers": len(budgets),
         "budget_per_layer": budgets,
     }
@@ -382,7 +386,7 @@ def serve(host: str, port: int, provider: H2OModelProvider, max_prompt_tokens: O
     handler; blocks until Ctrl-C, or exits with EXIT_CODE when generation keeps dying."""
     reader = None
     if getattr(provider.cli_args, "prompt_retention", "window") == "repeat":
-        reader = PromptReader(provider, max(provider.config.window, 1))
+        reader = PromptReader(provider, max(provider.prompt.window, 1))
     prompt_cache = H2OPromptCache(provider.cli_args.prompt_cache_size, reader=reader)
     generator = serve_compat.GuardedGenerator(provider, prompt_cache, max_prompt_tokens)
     limits = provider.limits()
@@ -421,7 +425,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     if gone or installed != serve_compat.MLX_LM_VERSION:
         log.warning("mlx-lm %s is installed; h2o-fn serve was written against %s%s", installed,
                     serve_compat.MLX_LM_VERSION, f" and misses: {'; '.join(gone)}" if gone else "")
-    provider = H2OModelProvider(server_args(args, model), config, args.allocation)
+    options = common.cache_options(parser, args)
+    provider = H2OModelProvider(server_args(args, model), config, args.allocation, options)
     try:  # load here, so that a bad --model stops the command instead of the serving thread
         provider.load_default()
     except (ValueError, FileNotFoundError) as e:

@@ -19,7 +19,7 @@ def measure(run: Run) -> dict:
     for spec in cache_specs(run, args.gen_budgets, False):
         if spec["family"] == "full":
             continue
-        outs = [greedy(model, p, build_cache(model, spec, run.evict_every), args.gen_tokens) for p in prompts]
+        outs = [greedy(model, p, build_cache(model, spec, run.options), args.gen_tokens) for p in prompts]
         agree = [first_divergence(o, f) for o, f in zip(outs, fulls)]
         agree = [args.gen_tokens if a is None else a for a in agree]
         rows.append({

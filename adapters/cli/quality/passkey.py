@@ -33,7 +33,7 @@ def _passkey_rows(run: Run, specs: List[dict], protocol: str, cases: list, prefi
     for spec in specs:
         hits, seconds = [], []
         for _, key, ids in cases:
-            cache = build_cache(model, spec, run.evict_every)
+            cache = build_cache(model, spec, run.options)
             out, t = answer(model, spec, cache, ids[: -len(question)], question, protocol, prefix)
             hits.append(key in tokenizer.decode(out))
             seconds.append(t)
@@ -55,7 +55,7 @@ def _facts_rows(run: Run, specs: List[dict], prefix: List[int]) -> dict:
     for spec in specs:
         hits = []
         for codes, context, questions in prompts:
-            outs = answers_per_question(model, spec, build_cache(model, spec, run.evict_every), context, questions,
+            outs = answers_per_question(model, spec, build_cache(model, spec, run.options), context, questions,
                                         prefix)
             hits += [code in tokenizer.decode(o) for code, o in zip(codes, outs)]
         rows.append({**describe(spec), "found": sum(hits), "asked": len(hits)})

@@ -30,7 +30,7 @@ class Run:
     def __init__(self, model, tokenizer, args, parser, command: str):
         self.model, self.tokenizer, self.args, self.parser = model, tokenizer, args, parser
         self.command = command
-        self.evict_every = getattr(args, "evict_every", 1)  # every H2O cache's (an adapter knob)
+        self.options = common.cache_options(parser, args)  # every H2O cache's prompt and evict_every
         self._tokens = None
 
     def tokens(self) -> List[int]:
@@ -89,12 +89,14 @@ BASELINE_FAMILIES = {"full": "full", "full KVCache": "full", "rotating": "rotati
                      "RotatingKVCache": "rotating", "QuantizedKVCache": "quantized"}
 
 
-def build_cache(model, spec: dict, evict_every: int = 1) -> list:
+def build_cache(model, spec: dict, options: dict) -> list:
+    """The cache list of `spec`: a baseline, or H2O with the spec's config and the run's
+    `options` (`common.cache_options`: prompt, evict_every)."""
     family = BASELINE_FAMILIES.get(spec["family"])
     if family is not None:
         return baselines.build(model, Baseline(family, budget=spec.get("budget"), keep=spec.get("keep", 0),
                                                bits=spec.get("bits"), group_size=spec.get("group_size", 64)))
-    return make_h2o_cache(model, spec["config"], budgets=spec.get("budgets"), evict_every=evict_every)
+    return make_h2o_cache(model, spec["config"], budgets=spec.get("budgets"), **options)
 
 
 def describe(spec: dict) -> dict:

@@ -22,7 +22,7 @@ def measure(run: Run) -> dict:
     variants += [("GQA max", base, "max")]
     rows = []
     for label, cfg, reduce in variants:
-        cache = make_h2o_cache(model, cfg, evict_every=run.evict_every)
+        cache = make_h2o_cache(model, cfg, **run.options)
         for c in h2o_caches(cache):
             c.weights_reduce = reduce  # the hook reads each cache's own reduction (adapters/attention.py)
         r = streaming_ppl(model, cache, run.tokens(), args.chunk)
