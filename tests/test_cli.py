@@ -23,7 +23,7 @@ from h2o_fn.config import KV_BITS, KV_GROUP_SIZES, PREFILLS, SCORINGS  # noqa: E
 from h2o_fn.adapters import gguf  # noqa: E402
 from h2o_fn.adapters import metrics  # noqa: E402
 from h2o_fn.adapters.cli import bench, cache_prompt, common, evaluate, generate, plots  # noqa: E402
-from h2o_fn.adapters.mlx_lm import DEFAULT_CONFIG  # noqa: E402
+from h2o_fn.adapters.mlx_lm import DEFAULT_CONFIG, h2o_caches  # noqa: E402
 from h2o_fn import demo  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,38 +154,51 @@ def test_demo_shows_the_freeze_and_the_advancing_window():
     assert all(int(p.split("-")[0]) > 60 for p in last.split(": ")[-1].split()[1:])  # the rest is recent
 
 
+def generated(tmp_path, *args) -> tuple:
+    """`h2o-fn generate *args --json ...`: (the JSON results, the finished process)."""
+    path = tmp_path / "generate.json"
+    done = h2o_fn("generate", *args, "--json", str(path))
+    return json.loads(path.read_text()), done
+
+
 @needs_bundled
-def test_generate_demo_on_the_bundled_model_reads_well_in_a_log():
-    done = h2o_fn("generate", "--demo", "--budget", "8", "--max-tokens", "8", "--ignore-chat-template",
-                  "--prompt", "The sky is")
+def test_generate_demo_on_the_bundled_model_reads_well_in_a_log(tmp_path):
+    r, done = generated(tmp_path, "--demo", "--budget", "8", "--max-tokens", "8", "--ignore-chat-template",
+                        "--prompt", "The sky is")
     out, err = done.stdout, done.stderr
     assert "\r" not in out and "\r" not in err  # no carriage-return progress spam in a log
-    assert "chosen for this demonstration" not in out  # the user's budget, as given
-    summary = out.split("Summary:")[1]
-    assert "H2O query (budget 8)" in summary and "full KVCache" in summary
-    assert "RotatingKVCache(8, keep=4)" in summary and "diverges at" in summary
-    assert " 8/11 " in summary and " 11/11 " in summary  # H2O evicted: 3 + 8 fed, 8 kept
     assert len(err.splitlines()) <= 8  # sparse progress: a line per quarter of each compared run
+    assert "Summary:" in out and "diverges at" in out.split("Summary:")[1]  # the table a reader sees
+    assert r["budget"] == 8 and not r["budget_chosen"]  # the user's budget, as given
+    rows = {row["label"]: row for row in r["rows"]}
+    assert list(rows) == ["H2O query (budget 8)", "full KVCache", "RotatingKVCache(8, keep=4)"]
+    h2o, full = rows["H2O query (budget 8)"], rows["full KVCache"]
+    assert (h2o["tokens_kept"], h2o["tokens_seen"]) == (8, 11)  # H2O evicted: 3 + 8 fed, 8 kept
+    assert (full["tokens_kept"], full["tokens_seen"]) == (11, 11) and "diverges_at" not in full
+    assert all("diverges_at" in row for label, row in rows.items() if label != "full KVCache")
 
 
-def test_generate_demo_sizes_the_budget_to_the_run(tiny_dir):
-    out = h2o_fn("generate", "--model", tiny_dir, "--demo", "--max-tokens", "20").stdout
-    assert "budget 16 chosen for this demonstration: 35 prompt + 20 new tokens" in out
-    assert " 16/55 " in out.split("Summary:")[1]
+def test_generate_demo_sizes_the_budget_to_the_run(tiny_dir, tmp_path):
+    r, done = generated(tmp_path, "--model", tiny_dir, "--demo", "--max-tokens", "20")
+    assert r["budget"] == 16 and r["budget_chosen"] and r["rows"][0]["prompt_tokens"] == 35
+    assert (r["rows"][0]["tokens_kept"], r["rows"][0]["tokens_seen"]) == (16, 55)
+    assert "budget 16 chosen for this demonstration: 35 prompt + 20 new tokens" in done.stdout  # and says why
 
 
-def test_generate_keeps_a_users_budget(tiny_dir):
-    out = h2o_fn("generate", "--model", tiny_dir, "--demo", "--budget", "32", "--max-tokens", "6").stdout
-    assert "chosen for this demonstration" not in out
-    assert "H2O query (budget 32)" in out and "budget=32" in out
+def test_generate_keeps_a_users_budget(tiny_dir, tmp_path):
+    r, _ = generated(tmp_path, "--model", tiny_dir, "--demo", "--budget", "32", "--max-tokens", "6")
+    assert not r["budget_chosen"] and r["policy"]["budget"] == 32
+    assert r["rows"][0]["label"] == "H2O query (budget 32)"
 
 
 def test_generate_model_dir_kv_bits_and_kept_map(tiny_dir, tmp_path):
     picture = tmp_path / "kept.png"
-    out = h2o_fn("generate", "--model", tiny_dir, "--max-tokens", "12", "--budget", "16", "--kv-bits", "8",
-                 "--compare", "--kept-map", str(picture), "--prompt", "Name a colour.").stdout
-    assert tiny_dir in out and "kv_bits=8" in out
-    assert "H2O query (budget 16, 8-bit)" in out and "QuantizedKVCache(8 bits)" in out
+    r, _ = generated(tmp_path, "--model", tiny_dir, "--max-tokens", "12", "--budget", "16", "--kv-bits", "8",
+                     "--compare", "--kept-map", str(picture), "--prompt", "Name a colour.")
+    assert r["model"] == tiny_dir and r["policy"]["kv_bits"] == 8 and r["policy"]["window"] == 48
+    assert [row["label"] for row in r["rows"]] == ["H2O query (budget 16, 8-bit)", "full KVCache",
+                                                   "RotatingKVCache(16, keep=4)", "QuantizedKVCache(8 bits)"]
+    assert all(len(row["ids"]) == row["generation_tokens"] == 12 for row in r["rows"])
     assert picture.stat().st_size > 1000
 
 
@@ -228,16 +241,21 @@ def test_cache_prompt_then_generate_from_the_file_and_bad_files(tiny_dir, tmp_pa
     out = h2o_fn("cache-prompt", "--model", tiny_dir, "--prompt", "The sky is blue. " * 20, "--budget", "16",
                  "--chunk-size", "32", "--prompt-cache-file", str(f)).stdout
     assert "kept 16 per layer and KV head" in out and f"Saved {f}" in out and "mlx_lm.cache_prompt saves" in out
-    out = h2o_fn("generate", "--model", tiny_dir, "--prompt-cache-file", str(f), "--prompt", "What colour?",
-                 "--max-tokens", "4").stdout
-    assert "H2O policy (from the file):" in out and "budget 16, compression" in out
+    from mlx_lm.models.cache import load_prompt_cache
+
+    saved = h2o_caches(load_prompt_cache(str(f)))  # what the file holds, as the report says
+    assert saved and all(c.tokens_kept == 16 and c.config.budget == 16 for c in saved)
+    r, _ = generated(tmp_path, "--model", tiny_dir, "--prompt-cache-file", str(f), "--prompt", "What colour?",
+                     "--max-tokens", "4")
+    assert r["policy"]["budget"] == 16 and r["prompt_cache_file"] == str(f) and r["evict_every"] == 1
+    assert r["rows"][0]["tokens_kept"] == 16 < r["rows"][0]["tokens_seen"]  # the file's budget holds on
     (tmp_path / "junk.safetensors").write_text("not a cache")
     done = h2o_fn("generate", "--model", tiny_dir, "--prompt-cache-file", str(tmp_path / "junk.safetensors"),
                   expect=2)
     assert "is not a prompt-cache file" in done.stderr and "Traceback" not in done.stderr
 
     from mlx_lm import load
-    from mlx_lm.models.cache import KVCache, load_prompt_cache
+    from mlx_lm.models.cache import KVCache
 
     model, _ = load(tiny_dir)
     with pytest.raises(ValueError, match=f"was written for model {tiny_dir!r}"):

@@ -17,6 +17,7 @@ given), and it says so.
 """
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -84,6 +85,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "kept after each generated token")
     parser.add_argument("--kept-map-layer", type=int, default=None,
                         help="the H2O layer of --kept-map (default: the middle one); head 0")
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="also write the run as JSON: the policy and one row per cache (text, token ids, "
+                        "kept/seen, KV bytes, speeds, repetition, first divergence from the full cache)")
     return parser
 
 
@@ -151,6 +155,25 @@ def run_one(model, tokenizer, prompt_ids, cache, args, label: str, echo: bool, k
         "tokens_kept": h2o[0].tokens_kept if h2o else max(held_tokens(c) for c in cache),
         "tokens_seen": h2o[0].tokens_seen if h2o else max(c.offset for c in cache),
     }
+
+
+def results(rows: List[dict], full: Optional[dict], **run) -> dict:
+    """What `--json` writes: `run` (model, policy, ...) and the rows, each with its repetition
+    and, beside a full cache, the first generated token that differs from it (None: never)."""
+    out = []
+    for r in rows:
+        extra = {"repeated_4grams": repeated_4grams(r["ids"])}
+        if full is not None and r is not full:
+            extra["diverges_at"] = first_divergence(r["ids"], full["ids"])
+        out.append({**r, **extra})
+    return {"command": "generate", **run, "rows": out}
+
+
+def write_json(path: Optional[str], data: dict) -> None:
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+        print(f"results: {path}")
 
 
 def report(r: dict) -> None:
@@ -222,6 +245,9 @@ def answer_from_file(parser, args) -> None:
         r = run_one(model, tokenizer, ids, cache, args, "prompt cache", True)
     print("\n" + "=" * 10)
     report(r)
+    policy = {**h2o[0].config._asdict(), **h2o[0].policy.prompt._asdict()} if h2o else None
+    write_json(args.json, results([r], None, model=args.model, prompt_cache_file=args.prompt_cache_file,
+                                  policy=policy, evict_every=h2o[0].evict_every if h2o else None))
 
 
 def _budget_for_run(args, n_prompt: int) -> Optional[str]:
@@ -316,12 +342,17 @@ def main(argv: Optional[List[str]] = None) -> None:
     chosen = _budget_for_run(args, len(ids))
     config = common.policy_or_error(parser, args, args.budget)
     _header(args, config, group, chosen)
+    options = common.cache_options(parser, args)
+    run = dict(model=args.model, policy={**config._asdict(), **options["prompt"]._asdict()},
+               evict_every=options["evict_every"], budget=config.budget, budget_chosen=chosen is not None,
+               max_tokens=args.max_tokens)
     with query_scoring(model):  # the hook lives for this command only (make_h2o_cache uses it)
         h2o = _run_h2o(parser, args, model, tokenizer, ids, config)
         if not args.compare:
-            return
+            return write_json(args.json, results([h2o], None, **run))
         rows = [h2o] + _baselines(args, model, tokenizer, ids, config)
     print("\n" + "=" * 10)
     print(f"Summary: {len(ids)} prompt + up to {args.max_tokens} generated tokens"
           + (f"; budget {config.budget} chosen for this demonstration" if chosen else ""))
     print("\n".join(summary(rows, rows[1])))
+    write_json(args.json, results(rows, rows[1], **run))
