@@ -43,6 +43,11 @@ def dense(store, config: H2OConfig) -> mx.array:
     return storage.dense(store, config.kv_bits, config.kv_group_size)
 
 
+def times_rows(x: mx.array, store, config: H2OConfig) -> mx.array:
+    """`x` `[..., N, D]` float32 times a store's rows transposed: `[..., N, C]` float32."""
+    return storage.matmul_t(x, store, config.kv_bits, config.kv_group_size)
+
+
 def stored_rows(rows: mx.array, like, config: H2OConfig):
     """New rows `[B, H, N, D]` as a store would hold them: cast to its dtype, quantized
     when `config.kv_bits` (a store or its arrays only give the dtype)."""

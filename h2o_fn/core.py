@@ -44,7 +44,7 @@ from typing import Optional
 import mlx.core as mx
 
 from . import storage
-from .arrays import INT32_MAX, dense, knob, per_row, scored_rows, stored_rows
+from .arrays import INT32_MAX, knob, per_row, scored_rows, stored_rows
 from .checks import check_chunk, check_weights
 from .config import H2OConfig
 from .rule import Argmin, evict, protected_argmin
@@ -146,7 +146,7 @@ def step(
         own = mx.arange(free_before.shape[-1]) == first_free
         w = mx.where(own, weights[..., 0, -1:], weights[..., 0, :-1])
         return settle(admitted, w, config, argmin, alive)
-    w = proxy_weights(dense(admitted.keys, config), ~free_before, scored_rows(key, state.keys, config))
+    w = proxy_weights(admitted.keys, ~free_before, scored_rows(key, state.keys, config), config)
     if alive is not None:
         return settle(admitted, w[..., 0, :], config, argmin, alive)
     # proxy weights are exactly 0 on free slots and on the new token: no mask needed

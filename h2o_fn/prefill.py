@@ -22,7 +22,7 @@ from typing import Optional
 import mlx.core as mx
 
 from . import storage
-from .arrays import INT32_MAX, as_dtype, dense, f32, knob, per_row, stored_rows
+from .arrays import INT32_MAX, as_dtype, dense, f32, knob, per_row, stored_rows, times_rows
 from .checks import check_chunk, check_weights
 from .config import H2OConfig
 from .core import compiled_step, rewind
@@ -140,8 +140,8 @@ def _chunk_weights(state, keys, chunk_store, config, weights, n_alive, first: in
         k = f32(keys if config.kv_bits is None else dense(chunk_store, config))
         q = k[:, :, first:]
         # slots and chunk apart: concatenating the keys would copy all C stored rows
-        logits = mx.concatenate([q @ f32(dense(state.keys, config)).swapaxes(-1, -2),
-                                 q @ k.swapaxes(-1, -2)], axis=-1) * keys.shape[-1] ** -0.5
+        logits = mx.concatenate([times_rows(q, state.keys, config), q @ k.swapaxes(-1, -2)],
+                                axis=-1) * keys.shape[-1] ** -0.5
         weights = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
     return clean_weights(mx.where(visible, weights, 0.0))
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .arrays import dense, f32, knob, per_row
+from .arrays import f32, knob, per_row, times_rows
 from .config import H2OConfig
 from .prompt import Prompt
 from .state import H2OState
@@ -41,16 +41,17 @@ def key_weights(state: H2OState, queries: mx.array, config: H2OConfig) -> mx.arr
         >>> key_weights(s, mx.ones((1, 1, 1, 4)), cfg)[0, 0, 0, :4].tolist()
         [0.3333333432674408, 0.3333333432674408, 0.3333333432674408, 0.0]
     """
-    return proxy_weights(dense(state.keys, config), state.positions >= 0, queries)
+    return proxy_weights(state.keys, state.positions >= 0, queries, config)
 
 
-def proxy_weights(keys: mx.array, visible: mx.array, queries: mx.array) -> mx.array:
-    """softmax over visible slots (`[B, H, C]` bool) of keys . queries / sqrt(D), float32.
+def proxy_weights(keys, visible: mx.array, queries: mx.array, config: H2OConfig) -> mx.array:
+    """softmax over visible slots (`[B, H, C]` bool) of keys . queries / sqrt(D), float32,
+    the keys a store `[B, H, C, D]` (quantized rows are read where they lie: `times_rows`).
 
     Hidden slots get exactly 0 (exp(-inf)); an all-hidden row's NaNs are cleaned to 0.
     """
     scale = queries.shape[-1] ** -0.5
-    logits = (f32(queries) * scale) @ f32(keys).swapaxes(-1, -2)
+    logits = times_rows(f32(queries) * scale, keys, config)
     w = mx.softmax(mx.where(visible[..., None, :], logits, -mx.inf), axis=-1, precise=True)
     return mx.nan_to_num(w, nan=0.0)  # softmax gives [0, 1] or NaN (no valid slot, NaN keys)
 
