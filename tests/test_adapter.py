@@ -437,3 +437,29 @@ def test_evict_every_scores_decode_tokens_as_chunks(llama, scoring):
 def test_evict_every_with_nothing_evicted_equals_the_full_cache(llama):
     cache = make_h2o_cache(llama, H2OConfig(budget=64, n_sink=2, grace=4, scoring="key"), evict_every=8)
     assert mx.array_equal(run(llama, cache), run(llama, [KVCache() for _ in llama.layers]))
+
+
+def test_the_adapters_knobs_are_checked_and_travel_with_a_saved_cache():
+    """evict_every and the prompt scoring sit beside the config (not in it): a bad value
+    names itself, and a cache's state brings both back, with the config, in one flat JSON."""
+    import json
+
+    from h2o_fn import capacity
+
+    cfg = H2OConfig(budget=8, n_sink=1, grace=1, scoring="key")
+    with pytest.raises(ValueError, match="evict_every=0 is invalid: expected an int >= 1"):
+        H2OKVCache(cfg, evict_every=0)
+    with pytest.raises(TypeError, match="expected an h2o_fn.Prompt"):
+        H2OKVCache(cfg, prompt={"window": 4})
+    cache = H2OKVCache(cfg, evict_every=3, prompt=Prompt(window=4, pool=3))
+    kv = mx.random.normal((1, 2, 20, 16))
+    cache.update_and_fetch(kv, kv)
+    for t in range(2):  # two decode tokens staged, not yet judged
+        cache.update_and_fetch(kv[:, :, t : t + 1], kv[:, :, t : t + 1])
+    assert cache.tokens_kept == 10 and json.loads(cache.meta_state) == {
+        **cfg._asdict(), "window": 4, "pool": 3, "evict_every": 3}
+    loaded = H2OKVCache.from_state(cache.state)
+    assert (loaded.config, loaded.policy.prompt, loaded.evict_every) == (cfg, Prompt(4, 3), 3)
+    assert loaded.tokens_kept == 10 and capacity(loaded.core_state) == 8 + 3  # room for the staged three
+    with pytest.raises(ValueError, match=r"different configs \(config, prompt, evict_every\)"):
+        H2OKVCache.merge([cache, H2OKVCache(cfg, prompt=Prompt(window=4, pool=3))])
