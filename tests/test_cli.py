@@ -313,6 +313,16 @@ def test_bench_every_section_with_kv_bits(tiny_dir, tmp_path):
     assert any("8-bit" in r["cache"] for r in results["prefill"])
 
 
+def test_bench_decode_in_rounds_takes_the_median_round(tiny_dir, tmp_path):
+    h2o_fn("bench", "decode", "--model", tiny_dir, "--contexts", "32", "--budget", "24", "--steps", "2",
+           "--chunk", "16", "--rounds", "3", "--evict-every-rows", "--no-openblas", "--out", str(tmp_path))
+    decode = json.loads((tmp_path / "bench.json").read_text())["decode"]
+    assert decode["rounds"] == 3 and len(decode["rows"]) == 4  # full, rotating, H2O key and query
+    for r in decode["rows"]:
+        assert len(r["rounds_ms"]) == 3 and r["step_ms"] == pytest.approx(sorted(r["rounds_ms"])[1])
+    assert "3 rounds of 2 steps per cache" in (tmp_path / "bench.md").read_text()
+
+
 def test_unknown_command_and_section_are_errors():
     assert "usage" in h2o_fn("nope", expect=2).stderr
     with pytest.raises(SystemExit):

@@ -278,17 +278,29 @@ def caches_at(model, policy, budget: int, kv_bits: Optional[int], group_size: in
     return out
 
 
-def bench_decode(model, tokens, contexts, caches: dict, steps, chunk) -> list:
+def bench_decode(model, tokens, contexts, caches: dict, steps, chunk, rounds: int = 1) -> list:
+    """Per context: every cache prefilled, then `rounds` rounds that each decode `steps`
+    tokens with every cache in turn (the machine's drift then falls on all of them alike);
+    a row's ms/token is the median over its rounds, with the fastest and slowest round."""
     rows = []
     for n in contexts:
-        for name, make in caches.items():
-            cache = make()
-            fill_s = fill(model, cache, tokens[:n], chunk)
-            sec = decode_rate(model, cache, tokens[n], steps)
-            rows.append({"context": n, "cache": name, "step_ms": sec * 1e3, "tok_s": 1 / sec,
-                         "fill_s": fill_s})
-            print(f"decode ctx {n:5d} {name:32s} {sec * 1e3:7.1f} ms/token ({1 / sec:5.2f} tok/s)",
-                  flush=True)
+        if rounds == 1:  # one cache alive at a time
+            built = {}
+            for name, make in caches.items():
+                cache = make()
+                built[name] = (fill(model, cache, tokens[:n], chunk), [decode_rate(model, cache, tokens[n], steps)])
+        else:
+            live = {name: make() for name, make in caches.items()}
+            built = {name: (fill(model, cache, tokens[:n], chunk), []) for name, cache in live.items()}
+            for _ in range(rounds):
+                for name, cache in live.items():
+                    built[name][1].append(decode_rate(model, cache, tokens[n], steps))
+        for name, (fill_s, secs) in built.items():
+            sec = statistics.median(secs)
+            rows.append({"context": n, "cache": name, "step_ms": sec * 1e3, "tok_s": 1 / sec, "fill_s": fill_s,
+                         "rounds_ms": [s * 1e3 for s in secs]})
+            print(f"decode ctx {n:5d} {name:32s} {sec * 1e3:7.1f} ms/token ({1 / sec:5.2f} tok/s), rounds "
+                  f"{min(secs) * 1e3:.1f}-{max(secs) * 1e3:.1f}", flush=True)
     return rows
 
 
@@ -350,14 +362,20 @@ def render_decode(d: dict) -> List[str]:
         first.setdefault(r["context"], []).append(r["step_ms"])
     return common.section(
         f"Model decode after a context (budget {d['budget']}, prefill chunks of {d['chunk']})",
-        "context:r | cache:l | ms/token:r | tokens/s:r | vs full:r | vs rotating:r",
+        "context:r | cache:l | ms/token:r | tokens/s:r | vs full:r | vs rotating:r | rounds (ms):r",
         [
             (r["context"], r["cache"], f"{r['step_ms']:.1f}", f"{r['tok_s']:.2f}",
              f"{r['step_ms'] / first[r['context']][0]:.2f}",
-             f"{first[r['context']][1] / r['step_ms']:.2f}x speed")
+             f"{first[r['context']][1] / r['step_ms']:.2f}x speed", _spread(r.get("rounds_ms", [])))
             for r in d["rows"]
         ],
+        notes=[f"{d.get('rounds', 1)} rounds of {d.get('steps', '?')} steps per cache, every cache in turn "
+               "each round; ms/token is the median round"] if d.get("rounds", 1) > 1 else (),
     )
+
+
+def _spread(ms: List[float]) -> str:
+    return f"{min(ms):.1f}-{max(ms):.1f}" if len(ms) > 1 else ""
 
 
 def render_prefill(rows: list) -> List[str]:
@@ -402,6 +420,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--evict-every-rows", type=int, nargs="*", default=[8], metavar="K",
                         help="extra decode rows with H2O scoring decode tokens K at a time (evict_every; "
                         "default 8)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="decode: R > 1 keeps every cache alive and times R rounds of --steps with each "
+                        "in turn (the median round; the machine's drift falls on all alike); default 1")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size before decode")
     parser.add_argument("--prefill-tokens", type=int, default=4096, help="prompt length of prefill")
     parser.add_argument("--prefill-chunk", type=int, default=2048, help="mlx-lm's default prefill_step_size")
@@ -437,7 +458,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                     "budget": args.budget,
                     "chunk": args.chunk,
                     "kv_bits": args.kv_bits,
-                    "rows": bench_decode(model, tokens, args.contexts, caches, args.steps, args.chunk),
+                    "rounds": args.rounds,
+                    "steps": args.steps,
+                    "rows": bench_decode(model, tokens, args.contexts, caches, args.steps, args.chunk, args.rounds),
                 }
             if "prefill" in args.what:
                 results["prefill"] = bench_prefill(model, tokens[: args.prefill_tokens], policy, args.budget,
