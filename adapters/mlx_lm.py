@@ -35,8 +35,8 @@ from .lockstep import H2OCacheList, H2OFollower
 from .retention import REPEAT_PROMPT, cache_prompt, repeat_prefix
 
 __all__ = ["DEFAULT_CONFIG", "DEFAULT_PROMPT", "REPEAT_PROMPT", "BatchH2OKVCache", "H2OCacheList", "H2OFollower",
-           "H2OKVCache", "cache_prompt", "h2o_caches", "h2o_layer_count", "layer_configs", "layer_evict_every",
-           "make_h2o_cache", "prompt_for", "repeat_prefix", "use_h2o"]
+           "H2OKVCache", "cache_prompt", "h2o_caches", "h2o_layer_count", "layer_evict_every", "make_h2o_cache",
+           "plan_layers", "prompt_for", "repeat_prefix", "use_h2o"]
 
 
 def _kv_per_layer(caches: Sequence[Any]) -> List[int]:
@@ -131,7 +131,7 @@ def make_h2o_cache(
     cannot (attention outside mlx-lm's `scaled_dot_product_attention`, heads the cache
     does not hold) fall back to key scoring, with a warning naming them.
     """
-    configs = layer_configs(model, config, budgets, argmin)
+    configs = plan_layers(model, config, budgets, argmin)
     return _build(model, configs, argmin, layer_evict_every(model, evict_every), prompt_for(config, prompt))
 
 
@@ -148,7 +148,7 @@ def use_h2o(model: nn.Module, config: Optional[H2OConfig] = None,
         >>> mlx_lm.batch_generate(model, tokenizer, prompts)       # doctest: +SKIP
         >>> undo()                                                 # doctest: +SKIP
     """
-    configs, every = layer_configs(model, config, budgets, argmin), layer_evict_every(model, evict_every)
+    configs, every = plan_layers(model, config, budgets, argmin), layer_evict_every(model, evict_every)
     prompt = prompt_for(config, prompt)
     model.make_cache = lambda: _build(model, configs, argmin, every, prompt)
 
@@ -184,10 +184,13 @@ def _budget_list(budgets, config: H2OConfig, n: int) -> Optional[List[int]]:
     return [int(b) for b in budgets]
 
 
-def layer_configs(model: nn.Module, config: Optional[H2OConfig] = None,
+def plan_layers(model: nn.Module, config: Optional[H2OConfig] = None,
                   budgets: Union[None, str, Sequence[int]] = None, argmin=protected_argmin) -> List[H2OConfig]:
-    """The config of each H2O layer of `model`, in layer order (see `make_h2o_cache`):
-    per-layer budgets applied, and key scoring where the hook cannot see the weights."""
+    """Plan the H2O layers of `model`: the config of each, in layer order (see
+    `make_h2o_cache`), per-layer budgets applied and key scoring where the hook cannot see
+    the weights. Not a pure query: for query scoring or per-layer budgets it installs the
+    attention hook on the model's modules, and for query scoring it runs one probe token
+    through throwaway caches to find the layers whose weights never reach the hook."""
     config = config or DEFAULT_CONFIG
     n = _leaders(_model_caches(model))
     if n == 0:
