@@ -37,7 +37,7 @@ from .. import allocation
 from . import baselines, common
 from .baselines import Baseline
 
-DEFAULT_PROMPT = "Explain photosynthesis in detail."
+DEFAULT_TEXT = "Explain photosynthesis in detail."
 DEFAULT_MAX_TOKENS = 256  # mlx_lm.generate's
 DEMO_MAX_TOKENS = 300
 DEMO_COMPRESSION = 2.5  # the demonstration's budget keeps at most 1 / 2.5 of the tokens
@@ -50,8 +50,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "mlx-lm's own caches.",
     )
     common.add_model_flag(parser)
-    parser.add_argument("--prompt", "-p", default=DEFAULT_PROMPT,
-                        help=f"the prompt ('-' reads stdin; default {DEFAULT_PROMPT!r})")
+    parser.add_argument("--prompt", "-p", default=DEFAULT_TEXT,
+                        help=f"the prompt ('-' reads stdin; default {DEFAULT_TEXT!r})")
     parser.add_argument("--max-tokens", "-m", type=int, default=None,
                         help=f"tokens to generate (default {DEFAULT_MAX_TOKENS}; {DEMO_MAX_TOKENS} "
                         "with --demo)")
