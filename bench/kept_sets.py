@@ -1,11 +1,12 @@
 """What the adapter keeps, dumped per commit and compared: is a refactor exact?
 
 Usage:
-    python bench/kept_sets.py dump OUT.npz [--tokens 300] [--budget 64]
+    python bench/kept_sets.py dump OUT.npz [--tokens 300] [--prompt 40] [--budget 64] [--window 0 --pool 1]
     python bench/kept_sets.py compare A.npz B.npz
 
 `dump` feeds `--tokens` tokens of pydoc_data.topics through the bundled model (weights
-dequantized) with H2O caches, 40 as a prompt and the rest one decode token at a time,
+dequantized) with H2O caches, `--prompt` of them as one chunk (scored with SnapKV's
+`--window` and `--pool` when it is longer than the window) and the rest one decode token at a time,
 for key and query scoring with evict_every 1 and 8, then saves every layer's kept
 positions and scores (sorted by position) and each step's logits. Run it with two
 checkouts' interpreters (e.g. `git worktree add /tmp/old <commit>`), then `compare`
@@ -21,21 +22,41 @@ import numpy as np
 CONFIGS = [(scoring, k) for scoring in ("key", "query") for k in (1, 8)]
 
 
-def dump(out: str, tokens: int, budget: int) -> None:
+def h2o_cache(model, budget: int, scoring: str, k: int, window: int, pool: int) -> list:
+    """The H2O cache list of one configuration, with whichever API the checkout has:
+    evict_every and the prompt scoring (window, pool) were H2OConfig fields before
+    94b7e27 and d30f813."""
+    from h2o_fn import H2OConfig
+    from h2o_fn.adapters.mlx_lm import make_h2o_cache
+
+    fields, options = dict(budget=budget, n_sink=4, grace=16, scoring=scoring), {}
+    if "evict_every" in H2OConfig._fields:
+        fields["evict_every"] = k
+    else:
+        options["evict_every"] = k
+    if "window" in H2OConfig._fields:
+        fields.update(window=window, pool=pool)
+    else:
+        from h2o_fn import Prompt
+
+        options["prompt"] = Prompt(window, pool)
+    return make_h2o_cache(model, H2OConfig(**fields), **options)
+
+
+def dump(out: str, tokens: int, budget: int, prompt: int = 40, window: int = 0, pool: int = 1) -> None:
     import mlx.core as mx
 
-    from h2o_fn import H2OConfig
     from h2o_fn.adapters.gguf import load_gguf
     from h2o_fn.adapters.metrics import corpus_tokens
-    from h2o_fn.adapters.mlx_lm import h2o_caches, make_h2o_cache
+    from h2o_fn.adapters.mlx_lm import h2o_caches
 
     model, tokenizer = load_gguf(dequantize=True)
     ids, saved = corpus_tokens(tokenizer, tokens, None), {}
     for scoring, k in CONFIGS:
-        cache = make_h2o_cache(model, H2OConfig(budget=budget, n_sink=4, grace=16, scoring=scoring), evict_every=k)
-        model(mx.array([ids[:40]]), cache=cache)
+        cache = h2o_cache(model, budget, scoring, k, window, pool)
+        model(mx.array([ids[:prompt]]), cache=cache)
         logits = []
-        for t in ids[40:]:
+        for t in ids[prompt:]:
             step = model(mx.array([[t]]), cache=cache)
             mx.eval(step)
             logits.append(np.array(step[0, -1]))
@@ -68,14 +89,18 @@ def main(argv=None) -> None:
     sub = parser.add_subparsers(dest="what", required=True)
     d = sub.add_parser("dump", help="run the model and save what every layer keeps")
     d.add_argument("out", help="the .npz to write")
-    d.add_argument("--tokens", type=int, default=300, help="tokens fed (40 as a prompt; default 300)")
+    d.add_argument("--tokens", type=int, default=300, help="tokens fed (default 300)")
+    d.add_argument("--prompt", type=int, default=40, help="of those, the first fed as one chunk (default 40)")
     d.add_argument("--budget", type=int, default=64, help="H2O budget (default 64)")
+    d.add_argument("--window", type=int, default=0,
+                   help="prompt scoring: a chunk longer than this scores by its last WINDOW queries (default 0)")
+    d.add_argument("--pool", type=int, default=1, help="prompt scoring: spans kept together (default 1)")
     c = sub.add_parser("compare", help="compare two dumps")
     c.add_argument("a")
     c.add_argument("b")
     args = parser.parse_args(argv)
     if args.what == "dump":
-        dump(args.out, args.tokens, args.budget)
+        dump(args.out, args.tokens, args.budget, args.prompt, args.window, args.pool)
     else:
         compare(args.a, args.b)
 
