@@ -37,7 +37,7 @@ from mlx_lm.models.cache import _BaseCache
 from h2o_fn import H2OConfig, H2OState, Policy, Prompt, state_nbytes, view
 from h2o_fn.metal_ops import protected_argmin
 
-from . import cache_state
+from . import cache_state, staging
 from .cache_state import CacheState, Pending, Step
 
 __all__ = ["DEFAULT_CONFIG", "DEFAULT_PROMPT", "BatchH2OKVCache", "H2OKVCache", "Pending", "Step", "prompt_for"]
@@ -278,9 +278,8 @@ def _one_policy(caches: Sequence[H2OKVCache]) -> Policy:
 
 def _starting(state: Optional[CacheState], evict_every: Optional[int]) -> CacheState:
     """The state a cache starts from: `state`, or an empty one judging `evict_every` at a time."""
-    if evict_every is not None and (isinstance(evict_every, bool) or not isinstance(evict_every, int)
-                                    or evict_every < 1):
-        raise ValueError(f"evict_every={evict_every!r} is invalid: expected an int >= 1 (1: every token)")
+    if evict_every is not None:
+        staging.check_every(evict_every)
     if state is None:
         return CacheState(every=evict_every or 1)
     if evict_every is not None and evict_every != state.every:

@@ -325,7 +325,7 @@ def with_store(s: CacheState, name: str, x) -> CacheState:
 def meta(s: CacheState, policy: Policy) -> str:
     """The config's and the prompt's fields and `evict_every` as one JSON object (a cache's
     `meta_state`: the object files held when all three were the config's fields)."""
-    return json.dumps({**policy.config._asdict(), **policy.prompt._asdict(), "evict_every": s.every})
+    return json.dumps({**policy.fields(), "evict_every": s.every})
 
 
 def from_meta(arrays: Sequence, meta_state: str) -> Tuple[H2OConfig, Prompt, CacheState]:

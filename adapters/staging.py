@@ -41,6 +41,13 @@ class Staged(NamedTuple):
     start: Optional[mx.array] = None  # [B] tokens seen when the first was staged
 
 
+def check_every(k) -> int:
+    """`k` as an `evict_every`, or a ValueError naming it: an int >= 1 (1: every token)."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"evict_every={k!r} is invalid: expected an int >= 1 (1: every token)")
+    return k
+
+
 def stage(staged: Staged, keys: mx.array, values: mx.array, seen: Sequence[int]) -> Staged:
     """`staged` with one more decode token `[B, H, 1, D]`; `seen` per row, before it."""
     start = mx.array(list(seen), dtype=mx.int32) if staged.start is None else staged.start

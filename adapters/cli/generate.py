@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from h2o_fn import kept_positions
+from h2o_fn import Policy, kept_positions
 
 from ..attention import query_scoring
 from ..metrics import build_prompt, first_divergence, held_tokens, repeated_4grams
@@ -245,7 +245,7 @@ def answer_from_file(parser, args) -> None:
         r = run_one(model, tokenizer, ids, cache, args, "prompt cache", True)
     print("\n" + "=" * 10)
     report(r)
-    policy = {**h2o[0].config._asdict(), **h2o[0].policy.prompt._asdict()} if h2o else None
+    policy = h2o[0].policy.fields() if h2o else None
     write_json(args.json, results([r], None, model=args.model, prompt_cache_file=args.prompt_cache_file,
                                   policy=policy, evict_every=h2o[0].evict_every if h2o else None))
 
@@ -275,14 +275,14 @@ def _header(args, config, group, chosen: Optional[str]) -> None:
     print("=" * 10, flush=True)
 
 
-def _run_h2o(parser, args, model, tokenizer, ids, config) -> dict:
+def _run_h2o(parser, args, model, tokenizer, ids, config, options: dict) -> dict:
     """Generate with H2O (inside `query_scoring(model)`); report it and the kept map."""
     bits = f", {config.kv_bits}-bit" if config.kv_bits else ""
     label = f"H2O {config.scoring} (budget {config.budget}{bits})"
     budgets = allocation.budgets_for(model, args.allocation, config, tokenizer)
     if budgets is not None:
         print(f"per-layer budgets ({args.allocation}): {budgets}")
-    cache = make_h2o_cache(model, config, budgets=budgets, **common.cache_options(parser, args))
+    cache = make_h2o_cache(model, config, budgets=budgets, **options)
     kept_map = None
     if args.kept_map is not None:
         n = len(h2o_caches(cache))
@@ -343,11 +343,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     config = common.policy_or_error(parser, args, args.budget)
     _header(args, config, group, chosen)
     options = common.cache_options(parser, args)
-    run = dict(model=args.model, policy={**config._asdict(), **options["prompt"]._asdict()},
+    run = dict(model=args.model, policy=Policy(config, prompt=options["prompt"]).fields(),
                evict_every=options["evict_every"], budget=config.budget, budget_chosen=chosen is not None,
                max_tokens=args.max_tokens)
     with query_scoring(model):  # the hook lives for this command only (make_h2o_cache uses it)
-        h2o = _run_h2o(parser, args, model, tokenizer, ids, config)
+        h2o = _run_h2o(parser, args, model, tokenizer, ids, config, options)
         if not args.compare:
             return write_json(args.json, results([h2o], None, **run))
         rows = [h2o] + _baselines(args, model, tokenizer, ids, config)

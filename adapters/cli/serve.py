@@ -70,7 +70,7 @@ import mlx.core as mx
 from mlx_lm import server as mlx_server
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from h2o_fn import H2OConfig, Prompt
+from h2o_fn import H2OConfig, Policy
 
 from .. import allocation
 from ..mlx_lm import h2o_caches, prompt_for, use_h2o
@@ -170,8 +170,8 @@ class H2OModelProvider(serve_compat.FixedModelProvider):
         self.allocation = allocation_policy
         self.options = dict(options or {})  # use_h2o's prompt and evict_every (common.cache_options)
 
-    prompt = property(lambda self: prompt_for(self.config, self.options.get("prompt")),
-                      doc="How the caches score a prompt chunk (h2o_fn.Prompt).")
+    policy = property(lambda self: Policy(self.config, prompt=prompt_for(self.config, self.options.get("prompt"))),
+                      doc="The config and how the caches score a prompt chunk, as one value.")
 
     def load_model(self, model_path: str):
         model, tokenizer = common.load_model(model_path, getattr(self.cli_args, "dequantize", False))
@@ -181,7 +181,7 @@ class H2OModelProvider(serve_compat.FixedModelProvider):
         layers = h2o_caches(caches)
         budgets = [c.config.budget for c in layers]
         log.info("H2O on %d of %d layers of %s: %s; budgets (%s) %s", len(layers), len(caches),
-                 model_path, _policy(self.config, self.prompt), self.allocation,
+                 model_path, ", ".join(f"{k}={v}" for k, v in self.policy.fields().items()), self.allocation,
                  budgets if len(set(budgets)) > 1 else f"{budgets[0]} in every layer")
         return model, tokenizer
 
@@ -202,10 +202,6 @@ class H2OModelProvider(serve_compat.FixedModelProvider):
         if self.model is None:
             return []
         return [c.config.budget for c in h2o_caches(make_prompt_cache(self.model))]
-
-
-def _policy(config: H2OConfig, prompt: Prompt) -> str:
-    return ", ".join(f"{k}={v}" for k, v in {**config._asdict(), **prompt._asdict()}.items())
 
 
 # ---------------------------------------------------------------- the prompt cache
@@ -350,7 +346,7 @@ def server_stats(response_generator) -> dict:
     budgets = provider.h2o_budgets()
     out = {
         "model": None if model_key is None else model_key[0],
-        "policy": {**provider.config._asdict(), **provider.prompt._asdict()},
+        "policy": provider.policy.fields(),
         "h2o_layers": len(budgets),
         "budget_per_layer": budgets,
     }
@@ -386,7 +382,7 @@ def serve(host: str, port: int, provider: H2OModelProvider, max_prompt_tokens: O
     handler; blocks until Ctrl-C, or exits with EXIT_CODE when generation keeps dying."""
     reader = None
     if getattr(provider.cli_args, "prompt_retention", "window") == "repeat":
-        reader = PromptReader(provider, max(provider.prompt.window, 1))
+        reader = PromptReader(provider, max(provider.policy.prompt.window, 1))
     prompt_cache = H2OPromptCache(provider.cli_args.prompt_cache_size, reader=reader)
     generator = serve_compat.GuardedGenerator(provider, prompt_cache, max_prompt_tokens)
     limits = provider.limits()
