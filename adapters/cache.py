@@ -34,13 +34,14 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import _BaseCache
 
-from h2o_fn import H2OConfig, H2OState, Policy, Prompt, state_nbytes, view
+from h2o_fn import H2OConfig, H2OState, Policy, Prompt, Storage, state_nbytes, view
 from h2o_fn.metal_ops import protected_argmin
 
 from . import cache_state, staging
 from .cache_state import CacheState, Pending, Step
 
-__all__ = ["DEFAULT_CONFIG", "DEFAULT_PROMPT", "BatchH2OKVCache", "H2OKVCache", "Pending", "Step", "prompt_for"]
+__all__ = ["DEFAULT_CONFIG", "DEFAULT_PROMPT", "BatchH2OKVCache", "H2OKVCache", "Pending", "Step", "cache_policy",
+           "prompt_for"]
 
 # What make_h2o_cache and H2OKVCache use without a config, chosen from BENCHMARKS.md
 # (quality first, then speed; its "Streaming perplexity", "Sweep" and pass-key tables
@@ -61,6 +62,13 @@ def prompt_for(config: Optional[H2OConfig], prompt: Optional[Prompt]) -> Prompt:
     return DEFAULT_PROMPT if config is None else Prompt()
 
 
+def cache_policy(config: Optional[H2OConfig] = None, argmin=protected_argmin, prompt: Optional[Prompt] = None,
+                 kv_bits: Optional[int] = None, kv_group_size: int = 64) -> Policy:
+    """The `Policy` a cache built with these arguments holds: `config` (default
+    `DEFAULT_CONFIG`), `prompt_for(config, prompt)` and `Storage(kv_bits, kv_group_size)`."""
+    return Policy(config or DEFAULT_CONFIG, argmin, prompt_for(config, prompt), Storage(kv_bits, kv_group_size))
+
+
 class H2OKVCache(_BaseCache):
     """A fixed-budget KV cache that evicts the lowest-scoring unprotected token.
 
@@ -71,14 +79,16 @@ class H2OKVCache(_BaseCache):
       state: what the cache starts from (default: empty).
       evict_every: decode tokens judged at a time, k (`staging`: budget + k slots; default 1).
       prompt: how a prompt chunk is scored (`h2o_fn.Prompt`; default `prompt_for(config)`).
+      kv_bits, kv_group_size: store the kept rows quantized, as mlx-lm's `QuantizedKVCache`
+        (`h2o_fn.Storage`; default None: the model's dtype).
     """
 
     step = 256  # mlx-lm's KVCache growth step; H2O allocates its C slots once
 
     def __init__(self, config: Optional[H2OConfig] = None, argmin=protected_argmin,
                  state: Optional[CacheState] = None, evict_every: Optional[int] = None,
-                 prompt: Optional[Prompt] = None):
-        self.policy = Policy(config or DEFAULT_CONFIG, argmin, prompt_for(config, prompt))
+                 prompt: Optional[Prompt] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64):
+        self.policy = cache_policy(config, argmin, prompt, kv_bits, kv_group_size)
         self._s = _starting(state, evict_every)
         self._view = None  # what the last update returned (for layers that share this KV)
 
@@ -135,11 +145,11 @@ class H2OKVCache(_BaseCache):
     @property
     def bits(self) -> int:
         """Only with quantized rows (else AttributeError): mlx-lm then takes its quantized attention."""
-        if self.config.kv_bits is None:
+        if self.policy.kv.bits is None:
             raise AttributeError(f"{type(self).__name__} stores unquantized rows (kv_bits=None)")
-        return self.config.kv_bits
+        return self.policy.kv.bits
 
-    group_size = property(lambda self: self.bits and self.config.kv_group_size)
+    group_size = property(lambda self: self.bits and self.policy.kv.group_size)
 
     def is_trimmable(self) -> bool:
         """Trimming is exact only while nothing has been evicted (staged tokens count as held)."""
@@ -155,7 +165,7 @@ class H2OKVCache(_BaseCache):
         return n
 
     meta_state = property(lambda self: cache_state.meta(self._s, self.policy),
-                          doc="The config, prompt and evict_every as JSON: what `state` cannot hold as arrays.")
+                          doc="The policy's fields and evict_every as JSON: what `state` cannot hold as arrays.")
 
     @property
     def state(self):
@@ -167,8 +177,8 @@ class H2OKVCache(_BaseCache):
     @state.setter
     def state(self, v):
         *arrays, meta = v
-        config, prompt, state = cache_state.from_meta(arrays, meta)
-        self.__init__(config, state=state, prompt=prompt)
+        config, prompt, kv, state = cache_state.from_meta(arrays, meta)
+        self.__init__(config, state=state, prompt=prompt, kv_bits=kv.bits, kv_group_size=kv.group_size)
 
     @classmethod
     def merge(cls, caches: Sequence["H2OKVCache"]) -> "BatchH2OKVCache":
@@ -176,7 +186,7 @@ class H2OKVCache(_BaseCache):
         stacked as they are, no padding (each row keeps its own length)."""
         policy = _one_policy(caches)
         state = cache_state.stack([c.settled("merge") for c in caches], policy)
-        return BatchH2OKVCache(policy.config, policy.argmin, state=state, prompt=policy.prompt)
+        return _of(BatchH2OKVCache, policy, state)
 
     # ------------------------------------------------------------ the hook's protocol
 
@@ -220,7 +230,7 @@ class H2OKVCache(_BaseCache):
         """`(keys, values)` `[B, H, K, D]` of the kept tokens, dense (dequantized with
         kv_bits) and sorted by position (`compact` first); K = tokens_kept."""
         self.compact()
-        return cache_state.kept_rows(self._s, self.config)
+        return cache_state.kept_rows(self._s, self.policy.kv)
 
     def compact(self) -> None:
         """Lay the kept rows out first, sorted by position (`view.compact`); nothing kept
@@ -269,11 +279,17 @@ def _one_policy(caches: Sequence[H2OKVCache]) -> Policy:
             f"cannot batch H2O caches with {strangers}: build every prompt cache with "
             "make_h2o_cache(model, ...), or call use_h2o(model, ...) so that mlx-lm builds them"
         )
-    configs = {(c.config, c.policy.prompt, c.evict_every) for c in caches}
+    configs = {(c.config, c.policy.prompt, c.policy.kv, c.evict_every) for c in caches}
     if len(configs) != 1:
-        raise ValueError(f"cannot merge H2O caches of different configs (config, prompt, evict_every): "
+        raise ValueError(f"cannot merge H2O caches of different configs (config, prompt, storage, evict_every): "
                          f"{sorted(map(str, configs))}")
     return caches[0].policy
+
+
+def _of(cls, policy: Policy, state: CacheState) -> H2OKVCache:
+    """A cache of `cls` holding `state` under `policy`."""
+    return cls(policy.config, policy.argmin, state=state, prompt=policy.prompt, kv_bits=policy.kv.bits,
+               kv_group_size=policy.kv.group_size)
 
 
 def _starting(state: Optional[CacheState], evict_every: Optional[int]) -> CacheState:
@@ -337,7 +353,7 @@ class BatchH2OKVCache(H2OKVCache):
         cache_state.require_settled(self._s, "extract")
         row = cache_state.take_rows(self._s, [idx])
         state = CacheState(every=self.evict_every) if self._s.core is None else row._replace(to_come=None)
-        return H2OKVCache(self.config, self.argmin, state=state, prompt=self.policy.prompt)
+        return _of(H2OKVCache, self.policy, state)
 
     def rows(self) -> List[H2OKVCache]:
         """Every row as a single-prompt cache."""

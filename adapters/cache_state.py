@@ -28,7 +28,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from h2o_fn import H2OConfig, H2OState, Policy, Prompt, core, prefill, retention, scoring, storage, view
+from h2o_fn import H2OConfig, H2OState, Policy, Prompt, Storage, core, prefill, retention, scoring, storage, view
 
 from . import staging
 
@@ -85,7 +85,7 @@ def update(s: CacheState, policy: Policy, keys: mx.array, values: mx.array):
             "make_h2o_cache(model, config), which installs it."
         )
     cfg = policy.config
-    check(s, cfg, keys, values)
+    check(s, policy.kv, keys, values)
     B, H, N, _ = keys.shape
     if s.waiting and B != s.waiting:
         raise ValueError(f"keys shape {tuple(keys.shape)} is invalid: this batch has {s.waiting} rows")
@@ -118,7 +118,7 @@ def _decode(s, policy, keys, values, rows, alive):
 
 
 def _chunk(s, policy, keys, values, rows, alive):
-    out = view.chunk_view(s.core, keys, values, policy.config, rows)
+    out = view.chunk_view(s.core, keys, values, rows, policy.kv)
     if policy.config.scoring == "query":
         return s._replace(pending=Pending(s.core, keys, values, rows, alive)), out
     state = policy.absorb(s.core, keys, values, None, alive)
@@ -247,20 +247,20 @@ def absorb_scored(s: CacheState, policy: Policy, keys: mx.array, values: mx.arra
     """A chunk `[B, H, N, D]` evicted down to budget by `scores` `[B, H, rows + N]` over the
     first `rows` slots then the chunk (`retention.chunk_scores`, `prefill.absorb_scored`)."""
     require_settled(s, "absorb a scored chunk")
-    check(s, policy.config, keys, values)
+    check(s, policy.kv, keys, values)
     N, budget = keys.shape[2], policy.config.budget
     s = _started(s, policy, keys, values)
     scores = retention.chunk_scores(s.core, scores, rows)
-    state = prefill.absorb_scored(s.core, keys, values, scores, policy.config, policy.prompt)
+    state = prefill.absorb_scored(s.core, keys, values, scores, policy.config, policy.prompt, policy.kv)
     return s._replace(core=state, seen=tuple(a + N for a in s.seen),
                       lengths=tuple(min(k + N, budget) for k in s.lengths))
 
 
-def kept_rows(s: CacheState, config: H2OConfig) -> tuple:
+def kept_rows(s: CacheState, kv: Storage) -> tuple:
     """`(keys, values)` `[B, H, K, D]`: the first K = max length slots of each store, dense
-    (dequantized with kv_bits). After `view.compact` they are the kept tokens by position."""
+    (dequantized when `kv.bits`). After `view.compact` they are the kept tokens by position."""
     K = max(s.lengths, default=0)
-    return tuple(storage.dense(storage.head(x, K), config.kv_bits, config.kv_group_size)
+    return tuple(storage.dense(storage.head(x, K), kv.bits, kv.group_size)
                  for x in (s.core.keys, s.core.values))
 
 
@@ -286,7 +286,7 @@ def stack(states: Sequence[CacheState], policy: Policy) -> CacheState:
     held = [s.core for s in states if s.core is not None]
     if not held:
         return CacheState(waiting=len(states), every=every)
-    H, Dk, Dv = held[0].positions.shape[1], *(storage.width(x, policy.config.kv_bits) for x in held[0][:2])
+    H, Dk, Dv = held[0].positions.shape[1], *(storage.width(x, policy.kv.bits) for x in held[0][:2])
     dtype = storage.dtype_of(held[0].keys)
     cores = [s.core if s.core is not None else policy.init(1, H, Dk, dtype, Dv, every) for s in states]
     state = H2OState(storage.stack([c.keys for c in cores]), storage.stack([c.values for c in cores]),
@@ -323,17 +323,19 @@ def with_store(s: CacheState, name: str, x) -> CacheState:
 
 
 def meta(s: CacheState, policy: Policy) -> str:
-    """The config's and the prompt's fields and `evict_every` as one JSON object (a cache's
-    `meta_state`: the object files held when all three were the config's fields)."""
+    """The config's, the prompt's and the storage's fields (`kv_bits`, `kv_group_size`) and
+    `evict_every` as one JSON object (a cache's `meta_state`: the object files held when
+    all of them were the config's fields)."""
     return json.dumps({**policy.fields(), "evict_every": s.every})
 
 
-def from_meta(arrays: Sequence, meta_state: str) -> Tuple[H2OConfig, Prompt, CacheState]:
-    """(config, prompt, state) of a saved cache: `to_arrays`' arrays and `meta`'s JSON."""
+def from_meta(arrays: Sequence, meta_state: str) -> Tuple[H2OConfig, Prompt, Storage, CacheState]:
+    """(config, prompt, storage, state) of a saved cache: `to_arrays`' arrays and `meta`'s JSON."""
     fields = json.loads(meta_state)
     every = fields.pop("evict_every", 1)
     prompt = Prompt(**{f: fields.pop(f) for f in Prompt._fields if f in fields})
-    return H2OConfig(**fields), prompt, from_arrays(arrays, every)
+    kv = Storage(fields.pop("kv_bits", None), fields.pop("kv_group_size", 64))
+    return H2OConfig(**fields), prompt, kv, from_arrays(arrays, every)
 
 
 def _started(s: CacheState, policy: Policy, keys: mx.array, values: mx.array) -> CacheState:
@@ -345,7 +347,7 @@ def _started(s: CacheState, policy: Policy, keys: mx.array, values: mx.array) ->
                       lengths=(0,) * B)
 
 
-def check(s: CacheState, config: H2OConfig, keys: mx.array, values: mx.array) -> None:
+def check(s: CacheState, kv: Storage, keys: mx.array, values: mx.array) -> None:
     """Raise unless `keys`/`values` `[B, H, N, D]` fit each other and the state."""
     if keys.ndim != 4 or values.ndim != 4:
         raise ValueError(f"keys/values of shapes {tuple(keys.shape)}/{tuple(values.shape)} are invalid: "
@@ -360,7 +362,7 @@ def check(s: CacheState, config: H2OConfig, keys: mx.array, values: mx.array) ->
     if s.core is None:
         return
     B, H = s.core.positions.shape[:2]
-    Dk, Dv = (storage.width(x, config.kv_bits) for x in (s.core.keys, s.core.values))
+    Dk, Dv = (storage.width(x, kv.bits) for x in (s.core.keys, s.core.values))
     if (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]) != (B, H, Dk, Dv):
         raise ValueError(f"keys/values shapes {tuple(keys.shape)}/{tuple(values.shape)} are invalid: this "
                          f"cache holds [B={B}, H={H}, *, Dk={Dk}] / [.., Dv={Dv}] (fixed after the first call)")

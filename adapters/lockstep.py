@@ -57,9 +57,6 @@ class H2OFollower(_BaseCache):
             return mx.array(self._seen or [0], dtype=mx.int32)
         return self._seen[0] if self._seen else 0
 
-    def _dense(self):
-        return self.leader.config._replace(kv_bits=None, scoring="key")
-
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Store `[B, H, N, D]`; return the rows aligned with the leader's last view."""
         lead = self.leader
@@ -87,11 +84,11 @@ class H2OFollower(_BaseCache):
         state = H2OState(self.keys, self.values, mx.zeros(step.positions.shape, mx.float32),
                          step.positions, mx.array(seen, dtype=mx.int32), mx.array(seen, dtype=mx.int32))
         if N == 1:  # the row goes where the leader put its token; evictions move no rows
-            first = admit(state, keys, values, self._dense())
+            first = admit(state, keys, values)  # a follower's rows are dense
             self.keys, self.values = first.keys, first.values
             out = view.view(first, step.rows)
         else:
-            out = view.chunk_view(state, keys, values, self._dense(), step.rows)
+            out = view.chunk_view(state, keys, values, step.rows)
             arange = mx.arange(N, dtype=mx.int32)
             chunk = mx.where(arange < mx.array(step.counts)[:, None], mx.array(seen)[:, None] + arange, -1)
             positions = mx.concatenate([step.positions, mx.broadcast_to(chunk[:, None], (B, H, N))], axis=-1)

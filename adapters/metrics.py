@@ -23,7 +23,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 
-from h2o_fn import H2OConfig
+from h2o_fn import Storage
 
 from .attention import query_scoring
 
@@ -159,10 +159,9 @@ def kv_fraction(kept: int, seen: int, bits: Optional[int] = None, group_size: in
 
     Quantized rows (mlx's affine quantization, as mlx-lm's `QuantizedKVCache` and H2O
     with `kv_bits` store them) cost `bits` per element plus a float16 scale and bias per
-    group: kept/seen x (bits + 32/group)/16 (`H2OConfig.bytes_per_element`).
+    group: kept/seen x (bits + 32/group)/16 (`Storage.bytes_per_element`).
     """
-    rows = H2OConfig()._replace(kv_bits=bits, kv_group_size=group_size)
-    return kept / seen * rows.bytes_per_element(model_bits=16)
+    return kept / seen * Storage(bits, group_size).bytes_per_element(model_bits=16)
 
 
 def h2o_overhead_fraction(kept: int, seen: int, row_elements: int) -> float:

@@ -25,17 +25,17 @@ import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import KVCache
 
-from h2o_fn import H2OConfig, Prompt
+from h2o_fn import H2OConfig, Prompt, Storage
 from h2o_fn.allocation import POLICIES, pyramid
 from h2o_fn.metal_ops import protected_argmin
 
 from .attention import install_query_hook, is_hooked
-from .cache import DEFAULT_CONFIG, DEFAULT_PROMPT, BatchH2OKVCache, H2OKVCache, prompt_for
+from .cache import DEFAULT_CONFIG, DEFAULT_PROMPT, BatchH2OKVCache, H2OKVCache, cache_policy, prompt_for
 from .lockstep import H2OCacheList, H2OFollower
 from .retention import REPEAT_PROMPT, cache_prompt, repeat_prefix
 
 __all__ = ["DEFAULT_CONFIG", "DEFAULT_PROMPT", "REPEAT_PROMPT", "BatchH2OKVCache", "H2OCacheList", "H2OFollower",
-           "H2OKVCache", "cache_prompt", "h2o_caches", "h2o_layer_count", "layer_evict_every", "make_h2o_cache",
+           "H2OKVCache", "cache_policy", "cache_prompt", "h2o_caches", "h2o_layer_count", "layer_evict_every", "make_h2o_cache",
            "plan_layers", "prompt_for", "repeat_prefix", "use_h2o"]
 
 
@@ -54,14 +54,15 @@ def _leaders(caches: Sequence[Any]) -> int:
 
 
 def _build(model: nn.Module, configs: List[H2OConfig], argmin, every: Sequence[int],
-           prompt: Prompt) -> List[Any]:
+           prompt: Prompt, kv: Storage) -> List[Any]:
     """The model's own caches with H2O in every full-attention layer (configs and
     evict_every in layer order)."""
     per_layer = iter(zip(configs, every))
 
     def h2o():
         config, k = next(per_layer)
-        return H2OKVCache(config, argmin, evict_every=k, prompt=prompt)
+        return H2OKVCache(config, argmin, evict_every=k, prompt=prompt, kv_bits=kv.bits,
+                          kv_group_size=kv.group_size)
 
     def convert(c):
         if type(c) is KVCache:
@@ -106,6 +107,8 @@ def make_h2o_cache(
     argmin=protected_argmin,
     evict_every: int = 1,
     prompt: Optional[Prompt] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
 ) -> List[Any]:
     """The per-layer cache list for `prompt_cache=` in mlx-lm's generate functions.
 
@@ -122,6 +125,9 @@ def make_h2o_cache(
         several KV caches in lockstep take 1, with a warning naming them).
       prompt: how prompt chunks are scored (`h2o_fn.Prompt`: SnapKV's window and pooling;
         default `DEFAULT_PROMPT` with the default config, `Prompt()` with your own).
+      kv_bits, kv_group_size: store the kept rows quantized, as mlx-lm's `kv_bits` and
+        `kv_group_size` do (`h2o_fn.Storage`; default None: the model's dtype). mlx-lm
+        then attends through its quantized attention.
 
     What it installs: for `scoring="query"`, and for per-layer budgets of different
     sizes, the attention hook on the model's modules (`h2o_fn.adapters.attention`;
@@ -131,13 +137,14 @@ def make_h2o_cache(
     cannot (attention outside mlx-lm's `scaled_dot_product_attention`, heads the cache
     does not hold) fall back to key scoring, with a warning naming them.
     """
-    configs = plan_layers(model, config, budgets, argmin)
-    return _build(model, configs, argmin, layer_evict_every(model, evict_every), prompt_for(config, prompt))
+    kv = Storage(kv_bits, kv_group_size)
+    configs = plan_layers(model, config, budgets, argmin, kv)
+    return _build(model, configs, argmin, layer_evict_every(model, evict_every), prompt_for(config, prompt), kv)
 
 
 def use_h2o(model: nn.Module, config: Optional[H2OConfig] = None,
             budgets: Union[None, str, Sequence[int]] = None, argmin=protected_argmin, evict_every: int = 1,
-            prompt: Optional[Prompt] = None):
+            prompt: Optional[Prompt] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64):
     """Make H2O the cache mlx-lm builds for `model` everywhere: `make_prompt_cache(model)`,
     `batch_generate`, `BatchGenerator` and `mlx_lm.server` then get `make_h2o_cache`'s
     list (planned once: per-layer configs and the query-scoring probe are not redone).
@@ -148,9 +155,10 @@ def use_h2o(model: nn.Module, config: Optional[H2OConfig] = None,
         >>> mlx_lm.batch_generate(model, tokenizer, prompts)       # doctest: +SKIP
         >>> undo()                                                 # doctest: +SKIP
     """
-    configs, every = plan_layers(model, config, budgets, argmin), layer_evict_every(model, evict_every)
+    kv = Storage(kv_bits, kv_group_size)
+    configs, every = plan_layers(model, config, budgets, argmin, kv), layer_evict_every(model, evict_every)
     prompt = prompt_for(config, prompt)
-    model.make_cache = lambda: _build(model, configs, argmin, every, prompt)
+    model.make_cache = lambda: _build(model, configs, argmin, every, prompt, kv)
 
     def undo():
         model.__dict__.pop("make_cache", None)
@@ -185,7 +193,8 @@ def _budget_list(budgets, config: H2OConfig, n: int) -> Optional[List[int]]:
 
 
 def plan_layers(model: nn.Module, config: Optional[H2OConfig] = None,
-                  budgets: Union[None, str, Sequence[int]] = None, argmin=protected_argmin) -> List[H2OConfig]:
+                budgets: Union[None, str, Sequence[int]] = None, argmin=protected_argmin,
+                kv: Storage = Storage()) -> List[H2OConfig]:
     """Plan the H2O layers of `model`: the config of each, in layer order (see
     `make_h2o_cache`), per-layer budgets applied and key scoring where the hook cannot see
     the weights. Not a pure query: for query scoring or per-layer budgets it installs the
@@ -211,7 +220,7 @@ def plan_layers(model: nn.Module, config: Optional[H2OConfig] = None,
                 "call mlx_lm.models.base.scaled_dot_product_attention: use one budget"
             )
     if config.scoring == "query":
-        deaf = _layers_without_weights(model, configs, argmin) if is_hooked(model) else list(range(n))
+        deaf = _layers_without_weights(model, configs, argmin, kv) if is_hooked(model) else list(range(n))
         if deaf:
             warnings.warn(
                 f"{type(model).__name__}: H2O layers {deaf} of {n} never hand their attention weights "
@@ -243,8 +252,8 @@ def _at_budget(config: H2OConfig, budget: int, layer: int) -> H2OConfig:
         raise ValueError(f"H2O layer {layer}: budget {budget} does not fit the policy: {e}") from None
 
 
-def _layers_without_weights(model, configs: List[H2OConfig], argmin) -> List[int]:
+def _layers_without_weights(model, configs: List[H2OConfig], argmin, kv: Storage) -> List[int]:
     """H2O layers whose cache still waits for weights after one probe token."""
-    probe = _build(model, configs, argmin, [1] * len(configs), Prompt())
+    probe = _build(model, configs, argmin, [1] * len(configs), Prompt(), kv)
     model(mx.array([[0]]), cache=probe)
     return [i for i, c in enumerate(h2o_caches(probe)) if c.wants_weights]

@@ -1,9 +1,10 @@
 """h2o-fn: heavy-hitter (H2O) KV-cache eviction for MLX.
 
 The pure core: `init`, `step`, `absorb`, `evict`, `remap`, `kept_positions`
-over an immutable `H2OState`, configured by a validated `H2OConfig` (the rule) and a
-`Prompt` (how a prompt is scored; both bound to the eviction op as one value by `policy`), plus the attention view an adapter slices
-(`h2o_fn.view`). Adapters for mlx-lm live in
+over an immutable `H2OState`, configured by a validated `H2OConfig` (the rule), a
+`Prompt` (how a prompt is scored) and a `Storage` (how rows are stored, dense or
+quantized), all three bound to the eviction op as one value by `policy`, plus the
+attention view an adapter slices (`h2o_fn.view`). Adapters for mlx-lm live in
 `h2o_fn.adapters`, the fused kernel op in `h2o_fn.metal_ops`; this package
 imports neither.
 
@@ -37,12 +38,14 @@ from .policy import Policy, policy
 from .prompt import Prompt
 from .rope import remap
 from .state import H2OState, capacity, state_nbytes
+from .storage import Storage
 
 __all__ = [
     "H2OConfig",
     "H2OState",
     "Policy",
     "Prompt",
+    "Storage",
     "absorb",
     "absorb_scored",
     "absorb_staged",

@@ -13,7 +13,7 @@ Example:
 import mlx.core as mx
 
 from . import storage
-from .config import H2OConfig
+from .storage import Storage
 
 INT32_MAX = 2**31 - 1
 
@@ -39,23 +39,24 @@ def f32(x: mx.array) -> mx.array:
     return as_dtype(x, mx.float32)
 
 
-def dense(store, config: H2OConfig) -> mx.array:
-    return storage.dense(store, config.kv_bits, config.kv_group_size)
+def dense(store, kv: Storage) -> mx.array:
+    return storage.dense(store, storage.check(kv).bits, kv.group_size)
 
 
-def times_rows(x: mx.array, store, config: H2OConfig) -> mx.array:
+def times_rows(x: mx.array, store, kv: Storage) -> mx.array:
     """`x` `[..., N, D]` float32 times a store's rows transposed: `[..., N, C]` float32."""
-    return storage.matmul_t(x, store, config.kv_bits, config.kv_group_size)
+    return storage.matmul_t(x, store, kv.bits, kv.group_size)
 
 
-def stored_rows(rows: mx.array, like, config: H2OConfig):
+def stored_rows(rows: mx.array, like, kv: Storage):
     """New rows `[B, H, N, D]` as a store would hold them: cast to its dtype, quantized
-    when `config.kv_bits` (a store or its arrays only give the dtype)."""
-    return storage.quantize(as_dtype(rows, storage.dtype_of(like)), config.kv_bits, config.kv_group_size)
+    when `kv.bits` (a store or its arrays only give the dtype)."""
+    storage.check(kv)
+    return storage.quantize(as_dtype(rows, storage.dtype_of(like)), kv.bits, kv.group_size)
 
 
-def scored_rows(keys: mx.array, like, config: H2OConfig) -> mx.array:
+def scored_rows(keys: mx.array, like, kv: Storage) -> mx.array:
     """The keys as scoring sees them: as given, or their stored (dequantized) values."""
-    if config.kv_bits is None:
+    if kv.bits is None:
         return keys
-    return dense(stored_rows(keys, like, config), config)
+    return dense(stored_rows(keys, like, kv), kv)

@@ -10,13 +10,17 @@ from .config import H2OConfig
 from .prompt import Prompt
 from .scoring import scored_queries
 from .state import H2OState
+from .storage import Storage
 
 
-def check_chunk(state: H2OState, keys: mx.array, values: mx.array, config: H2OConfig,
-                 n: Optional[int] = None) -> int:
+def check_chunk(state: H2OState, keys: mx.array, values: mx.array, kv: Storage,
+                n: Optional[int] = None) -> int:
     B, H, _ = state.positions.shape
-    widths = (("keys", keys, storage.width(state.keys, config.kv_bits)),
-              ("values", values, storage.width(state.values, config.kv_bits)))
+    if storage.is_quantized(state.keys) != (storage.check(kv).bits is not None):
+        raise ValueError(f"kv={kv} is invalid for this state: expected the storage it was built "
+                         f"with (its rows are {'quantized' if storage.is_quantized(state.keys) else 'dense'})")
+    widths = (("keys", keys, storage.width(state.keys, kv.bits)),
+              ("values", values, storage.width(state.values, kv.bits)))
     for name, x, D in widths:
         if x.ndim != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != D:
             raise ValueError(

@@ -7,18 +7,18 @@ Example:
     >>> from h2o_fn import H2OConfig
     >>> H2OConfig().at_budget(32).grace        # the defaults, scaled to a small budget
     8
-    >>> H2OConfig(kv_bits=7)
+    >>> H2OConfig(grace=600)
     Traceback (most recent call last):
     ...
-    ValueError: H2OConfig.kv_bits=7 is invalid: expected None or one of (2, 3, 4, 5, 6, 8)
+    ValueError: H2OConfig n_sink + grace = 4 + 600 = 604 is invalid: expected n_sink + grace < budget = 512 (at least one evictable slot)
+
+How rows are stored is not the rule's business: `h2o_fn.Storage`.
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 SCORINGS = ("key", "query")
 PREFILLS = ("greedy", "oneshot")
-KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs (1 bit is left out: it collapses)
-KV_GROUP_SIZES = (32, 64, 128)
 
 
 class _Fields(NamedTuple):
@@ -28,11 +28,9 @@ class _Fields(NamedTuple):
     decay: float  # scores are multiplied by this before each new token's weights are added
     scoring: str  # "key" (key-as-query proxy) or "query" (the model's own attention weights)
     prefill: str  # "greedy" (token by token) or "oneshot" (one weight pass per chunk)
-    kv_bits: Optional[int]  # None: rows in the model's dtype; else mx.quantize bits per element
-    kv_group_size: int  # elements per quantization group (scale + bias) along head_dim
 
 
-def _validate(budget, n_sink, grace, decay, scoring, prefill, kv_bits, kv_group_size):
+def _validate(budget, n_sink, grace, decay, scoring, prefill):
     def bad(field, value, expected):
         raise ValueError(f"H2OConfig.{field}={value!r} is invalid: expected {expected}")
 
@@ -56,19 +54,14 @@ def _validate(budget, n_sink, grace, decay, scoring, prefill, kv_bits, kv_group_
         bad("scoring", scoring, f"one of {SCORINGS}")
     if prefill not in PREFILLS:
         bad("prefill", prefill, f"one of {PREFILLS}")
-    if kv_bits is not None and (isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
-        bad("kv_bits", kv_bits, f"None or one of {KV_BITS}")
-    if isinstance(kv_group_size, bool) or kv_group_size not in KV_GROUP_SIZES:
-        bad("kv_group_size", kv_group_size, f"one of {KV_GROUP_SIZES}")
 
 
 class H2OConfig(_Fields):
     """Eviction policy, validated at construction (`ValueError` names the field).
 
     Valid iff budget >= 1, n_sink >= 0, grace >= 0, n_sink + grace < budget,
-    0 < decay <= 1, kv_bits None or in KV_BITS, kv_group_size in KV_GROUP_SIZES.
-    `grace=0, decay=1.0` is H2O's Algorithm 1 as published. `kv_bits=None` keeps
-    rows in the model's dtype; 8 or 4 store them as mlx-lm's `QuantizedKVCache` does.
+    0 < decay <= 1, scoring in SCORINGS, prefill in PREFILLS.
+    `grace=0, decay=1.0` is H2O's Algorithm 1 as published.
     """
 
     __slots__ = ()
@@ -81,12 +74,9 @@ class H2OConfig(_Fields):
         decay: float = 0.98,
         scoring: str = "key",
         prefill: str = "oneshot",
-        kv_bits: Optional[int] = None,
-        kv_group_size: int = 64,
     ):
-        _validate(budget, n_sink, grace, decay, scoring, prefill, kv_bits, kv_group_size)
-        return super().__new__(cls, budget, n_sink, grace, float(decay), scoring, prefill, kv_bits,
-                               kv_group_size)
+        _validate(budget, n_sink, grace, decay, scoring, prefill)
+        return super().__new__(cls, budget, n_sink, grace, float(decay), scoring, prefill)
 
     def _replace(self, **changes) -> "H2OConfig":
         return H2OConfig(**{**self._asdict(), **changes})
@@ -97,13 +87,3 @@ class H2OConfig(_Fields):
         grace = min(self.grace, budget // 4)
         n_sink = min(self.n_sink, max(budget - 1 - grace, 0))
         return self._replace(budget=budget, n_sink=n_sink, grace=grace)
-
-    def bytes_per_element(self, model_bits: int = 16) -> float:
-        """Stored bits per key/value element over a `model_bits` cache (1.0 when unquantized).
-
-        Quantized rows hold `kv_bits` per element plus a scale and a bias per group,
-        each in the model's dtype: (bits + 2 * model_bits / group) / model_bits.
-        """
-        if self.kv_bits is None:
-            return 1.0
-        return (self.kv_bits + 2 * model_bits / self.kv_group_size) / model_bits

@@ -23,8 +23,8 @@ count as 0, so scores stay finite and >= 0 whatever the keys hold.
 Batch rows count on their own (`length`, `seen` are `[B]`). A row can sit a token
 out: `alive` `[B]` (one token) or `n_alive` `[B]` (the first n_alive[b] tokens of a
 chunk are real, the rest padding): padding is never kept, never scores and never
-decays anyone's score. With `config.kv_bits` the rows are stored quantized and
-scoring reads them dequantized (a token's key counts as its stored value).
+decays anyone's score. With `kv=Storage(bits)` (`h2o_fn.Storage`) the rows are stored
+quantized and scoring reads them dequantized (a token's key counts as its stored value).
 
 Example:
     >>> import mlx.core as mx
@@ -50,26 +50,27 @@ from .config import H2OConfig
 from .rule import Argmin, evict, protected_argmin
 from .scoring import accumulate, proxy_weights
 from .state import H2OState
+from .storage import DENSE, Storage
 
 
 def init(
     config: H2OConfig, batch: int, n_heads: int, head_dim: int, dtype=mx.float16,
-    value_dim: Optional[int] = None, room: int = 1,
+    value_dim: Optional[int] = None, room: int = 1, kv: Storage = DENSE,
 ) -> H2OState:
     """An empty state: keys `[B, H, C, D]`, values `[B, H, C, value_dim or D]`, every slot free.
 
     C = budget + room: a step needs one slot beyond the budget (the token being judged);
     absorbing k staged decode tokens at once (`absorb_staged`) needs k.
-    With `config.kv_bits` each store is mx.quantize's triple (head_dim and value_dim
-    must split into groups of `config.kv_group_size`).
+    With `kv.bits` each store is mx.quantize's triple (head_dim and value_dim must
+    split into groups of `kv.group_size`).
     """
     if isinstance(room, bool) or not isinstance(room, int) or room < 1:
         raise ValueError(f"room={room!r} is invalid: expected an int >= 1 (slots beyond the budget)")
+    storage.check(kv)
     shape = (batch, n_heads, config.budget + room)
-    bits, group = config.kv_bits, config.kv_group_size
     return H2OState(
-        keys=storage.empty(shape, head_dim, dtype, bits, group),
-        values=storage.empty(shape, value_dim or head_dim, dtype, bits, group),
+        keys=storage.empty(shape, head_dim, dtype, kv.bits, kv.group_size),
+        values=storage.empty(shape, value_dim or head_dim, dtype, kv.bits, kv.group_size),
         scores=mx.zeros(shape, dtype=mx.float32),
         positions=mx.full(shape, -1, dtype=mx.int32),
         length=mx.zeros((batch,), dtype=mx.int32),
@@ -77,19 +78,20 @@ def init(
     )
 
 
-def admit(state: H2OState, key: mx.array, value: mx.array, config: H2OConfig,
+def admit(state: H2OState, key: mx.array, value: mx.array, kv: Storage = DENSE,
           alive: Optional[mx.array] = None) -> H2OState:
     """Write one token `[B, H, 1, D]` into the first free slot with score 0.
 
     Needs a free slot (`length <= budget`, true after every `step`/`evict`). The
     result may hold budget + 1 tokens: `settle` (or `accumulate` then `evict`)
     finishes the step. Rows where `alive` `[B]` is False take nothing (the row is
-    written into the free slot, which stays free).
+    written into the free slot, which stays free). The rule plays no part: only how
+    rows are stored (`kv`).
     """
-    return _admit(state, key, value, config, alive)[0]
+    return _admit(state, key, value, kv, alive)[0]
 
 
-def _admit(state: H2OState, key, value, config, alive):
+def _admit(state: H2OState, key, value, kv, alive):
     """`admit`, also returning the `[B, H, C]` mask of the slots free before it."""
     free = state.positions < 0
     slot = mx.argmax(free, axis=-1)  # [B, H]
@@ -100,8 +102,8 @@ def _admit(state: H2OState, key, value, config, alive):
         add = alive.astype(mx.int32)
     index = slot[..., None, None]
     return H2OState(  # a free slot already scores 0
-        keys=storage.write(state.keys, index, stored_rows(key, state.keys, config)),
-        values=storage.write(state.values, index, stored_rows(value, state.values, config)),
+        keys=storage.write(state.keys, index, stored_rows(key, state.keys, kv)),
+        values=storage.write(state.values, index, stored_rows(value, state.values, kv)),
         scores=state.scores,
         positions=mx.where(here, per_row(state.seen), state.positions),
         length=state.length + add,
@@ -124,6 +126,7 @@ def step(
     weights: Optional[mx.array] = None,
     argmin: Argmin = protected_argmin,
     alive: Optional[mx.array] = None,
+    kv: Storage = DENSE,
 ) -> H2OState:
     """One token `[B, H, 1, D]`: weights, decay-add, admit, evict.
 
@@ -131,22 +134,23 @@ def step(
       weights: `[B, H, 1, C + 1]` for `scoring="query"` (refused for "key"): column
         j < C is the token in slot j of `state`, column C the new token itself.
       alive: optional `[B]` bool; False rows take no token (padding).
+      kv: how the state stores rows (`init`'s).
 
     After it, the token's key/value rows sit in the state's stores even if an older
     token was just evicted, so `storage.head(keys, length + 1)` of the state before
     the step, admitted, is exactly S_{t-1} + {t}: what this token's attention sees.
     """
-    check_chunk(state, key, value, config, n=1)
+    check_chunk(state, key, value, kv, n=1)
     check_weights(state, key, config, weights)
     # admit first: the weights then read the written keys (the new token masked out),
     # so MLX can write the row into the old buffer instead of copying the cache
-    admitted, free_before = _admit(state, key, value, config, alive)
+    admitted, free_before = _admit(state, key, value, kv, alive)
     if weights is not None:
         first_free = mx.argmax(free_before, axis=-1)[..., None]
         own = mx.arange(free_before.shape[-1]) == first_free
         w = mx.where(own, weights[..., 0, -1:], weights[..., 0, :-1])
         return settle(admitted, w, config, argmin, alive)
-    w = proxy_weights(admitted.keys, ~free_before, scored_rows(key, state.keys, config), config)
+    w = proxy_weights(admitted.keys, ~free_before, scored_rows(key, state.keys, kv), kv)
     if alive is not None:
         return settle(admitted, w[..., 0, :], config, argmin, alive)
     # proxy weights are exactly 0 on free slots and on the new token: no mask needed
@@ -155,8 +159,8 @@ def step(
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_step(config: H2OConfig, argmin: Argmin = protected_argmin):
-    """`step` for a fixed config under `mx.compile`: `fn(state, key, value, weights=None,
+def compiled_step(config: H2OConfig, argmin: Argmin = protected_argmin, kv: Storage = DENSE):
+    """`step` for a fixed config, op and storage under `mx.compile`: `fn(state, key, value, weights=None,
     alive=None)`, one trace per input shape and per which optional arrays are given.
 
     Example:
@@ -171,15 +175,15 @@ def compiled_step(config: H2OConfig, argmin: Argmin = protected_argmin):
     """
 
     def one(state, key, value, weights=None, alive=None):
-        return step(state, key, value, config, weights, argmin, alive)
+        return step(state, key, value, config, weights, argmin, alive, kv)
 
     return mx.compile(one)
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_admit(config: H2OConfig):
-    """`admit` for a fixed config under `mx.compile`: `fn(state, key, value)`."""
-    return mx.compile(lambda state, key, value: admit(state, key, value, config))
+def compiled_admit(kv: Storage = DENSE):
+    """`admit` for a fixed storage under `mx.compile`: `fn(state, key, value)`."""
+    return mx.compile(lambda state, key, value: admit(state, key, value, kv))
 
 
 @functools.lru_cache(maxsize=None)

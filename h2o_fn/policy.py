@@ -1,8 +1,9 @@
 """Policy: an eviction policy as one value, the core's transitions bound to it.
 
 optax's `GradientTransformation` pairs `init` with `update`; a `Policy` pairs an
-`H2OConfig` (the rule) with its eviction op (`argmin`) and its prefill policy (`prompt`,
-SnapKV's window and pooling) and offers the core's transitions with all three bound:
+`H2OConfig` (the rule) with its eviction op (`argmin`), its prefill policy (`prompt`,
+SnapKV's window and pooling) and its row storage (`kv`, `h2o_fn.Storage`), and offers
+the core's transitions with all four bound:
 `init`, `step`, `admit`, `settle`, `absorb`, `absorb_staged`. Decode-sized calls go
 through `mx.compile` (one trace per config, op and shape); `absorb` stays eager,
 since prompt chunks come in many lengths. A `Policy` holds no compiled function
@@ -29,37 +30,39 @@ from . import core, prefill, rule
 from .config import H2OConfig
 from .prompt import Prompt
 from .state import H2OState
+from .storage import DENSE, Storage
 
 
 class Policy(NamedTuple):
-    """`config` (the rule), `argmin` (the op that picks each victim) and `prompt` (how
-    oneshot prefill scores a prompt)."""
+    """`config` (the rule), `argmin` (the op that picks each victim), `prompt` (how
+    oneshot prefill scores a prompt) and `kv` (how rows are stored)."""
 
     config: H2OConfig
     argmin: rule.Argmin = rule.protected_argmin
     prompt: Prompt = Prompt()
+    kv: Storage = DENSE
 
     def fields(self) -> dict:
-        """The config's and the prompt's fields as one flat dict (the argmin is code): what
-        a saved cache's `meta_state` and the commands' JSON record."""
-        return {**self.config._asdict(), **self.prompt._asdict()}
+        """The config's, the prompt's and the storage's fields as one flat dict (the argmin
+        is code): what a saved cache's `meta_state` and the commands' JSON record."""
+        return {**self.config._asdict(), **self.prompt._asdict(), **self.kv.fields()}
 
     def init(self, batch: int, n_heads: int, head_dim: int, dtype=mx.float16,
              value_dim: Optional[int] = None, room: int = 1) -> H2OState:
         """An empty state `[B, H, C, D]`, C = budget + room (`core.init`)."""
-        return core.init(self.config, batch, n_heads, head_dim, dtype, value_dim, room)
+        return core.init(self.config, batch, n_heads, head_dim, dtype, value_dim, room, self.kv)
 
     def step(self, state: H2OState, key: mx.array, value: mx.array, weights: Optional[mx.array] = None,
              alive: Optional[mx.array] = None) -> H2OState:
         """One token `[B, H, 1, D]`, compiled (`core.step`)."""
-        return core.compiled_step(self.config, self.argmin)(state, key, value, weights, alive)
+        return core.compiled_step(self.config, self.argmin, self.kv)(state, key, value, weights, alive)
 
     def admit(self, state: H2OState, key: mx.array, value: mx.array,
               alive: Optional[mx.array] = None) -> H2OState:
         """Write one token `[B, H, 1, D]` unscored (`core.admit`; compiled when every row takes it)."""
         if alive is None:
-            return core.compiled_admit(self.config)(state, key, value)
-        return core.admit(state, key, value, self.config, alive)
+            return core.compiled_admit(self.kv)(state, key, value)
+        return core.admit(state, key, value, self.kv, alive)
 
     def settle(self, admitted: H2OState, weights: mx.array, alive: Optional[mx.array] = None) -> H2OState:
         """Finish an admitted token's step with its weights `[B, H, C]`, compiled (`core.settle`)."""
@@ -68,7 +71,7 @@ class Policy(NamedTuple):
     def absorb(self, state: H2OState, keys: mx.array, values: mx.array, weights: Optional[mx.array] = None,
                n_alive: Optional[mx.array] = None) -> H2OState:
         """A chunk `[B, H, N, D]` evicted down to budget (`prefill.absorb`, eager)."""
-        return prefill.absorb(state, keys, values, self.config, weights, self.argmin, n_alive, self.prompt)
+        return prefill.absorb(state, keys, values, self.config, weights, self.argmin, n_alive, self.prompt, self.kv)
 
     def absorb_staged(self, state: H2OState, keys: mx.array, values: mx.array,
                       weights: Optional[mx.array] = None) -> H2OState:
@@ -77,15 +80,18 @@ class Policy(NamedTuple):
         N exact steps from the state before them for greedy."""
         if self.config.prefill == "greedy":
             return self.absorb(core.rewind(state, keys.shape[2]), keys, values, weights)
-        return prefill.compiled_absorb_staged(self.config, self.prompt)(state, keys, values, weights)
+        return prefill.compiled_absorb_staged(self.config, self.prompt, self.kv)(state, keys, values, weights)
 
 
 def policy(config: Optional[H2OConfig] = None, argmin: rule.Argmin = rule.protected_argmin,
-           prompt: Optional[Prompt] = None) -> Policy:
+           prompt: Optional[Prompt] = None, kv: Optional[Storage] = None) -> Policy:
     """The `Policy` of `config` (default `H2OConfig()`) evicting with `argmin`, scoring
-    prompts by `prompt` (default `Prompt()`: every query, no pooling)."""
+    prompts by `prompt` (default `Prompt()`: every query, no pooling), storing rows as
+    `kv` (default `Storage()`: the model's dtype)."""
     if config is not None and not isinstance(config, H2OConfig):
         raise TypeError(f"config is a {type(config).__name__}: expected an H2OConfig")
     if prompt is not None and not isinstance(prompt, Prompt):
         raise TypeError(f"prompt is a {type(prompt).__name__}: expected an h2o_fn.Prompt")
-    return Policy(config or H2OConfig(), argmin, prompt or Prompt())
+    if kv is not None and not isinstance(kv, Storage):
+        raise TypeError(f"kv is a {type(kv).__name__}: expected an h2o_fn.Storage")
+    return Policy(config or H2OConfig(), argmin, prompt or Prompt(), kv or DENSE)

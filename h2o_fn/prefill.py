@@ -30,25 +30,27 @@ from .prompt import Prompt
 from .rule import Argmin, evict_lowest, protected_argmin
 from .scoring import clean_weights, scored_queries
 from .state import H2OState
+from .storage import DENSE, Storage
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_absorb(config: H2OConfig, argmin: Argmin = protected_argmin, prompt: Prompt = Prompt()):
+def compiled_absorb(config: H2OConfig, argmin: Argmin = protected_argmin, prompt: Prompt = Prompt(),
+                    kv: Storage = DENSE):
     """`absorb` (oneshot prefill: no sync) under `mx.compile`: `fn(state, keys, values,
     weights=None, n_alive=None)`, one trace per chunk length. Greedy prefill reads the
     length back, so it is returned uncompiled."""
     def chunk(state, keys, values, weights=None, n_alive=None):
-        return absorb(state, keys, values, config, weights, argmin, n_alive, prompt)
+        return absorb(state, keys, values, config, weights, argmin, n_alive, prompt, kv)
 
     return chunk if config.prefill == "greedy" else mx.compile(chunk)
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_absorb_staged(config: H2OConfig, prompt: Prompt = Prompt()):
+def compiled_absorb_staged(config: H2OConfig, prompt: Prompt = Prompt(), kv: Storage = DENSE):
     """`absorb_staged` under `mx.compile`: `fn(state, keys, values, weights=None)`, one trace
     per number of staged tokens."""
     def staged(state, keys, values, weights=None):
-        return absorb_staged(state, keys, values, config, weights, prompt)
+        return absorb_staged(state, keys, values, config, weights, prompt, kv)
 
     return mx.compile(staged)
 
@@ -62,6 +64,7 @@ def absorb(
     argmin: Argmin = protected_argmin,
     n_alive: Optional[mx.array] = None,
     prompt: Prompt = Prompt(),
+    kv: Storage = DENSE,
 ) -> H2OState:
     """Absorb a chunk of N tokens `[B, H, N, D]`; the result holds at most `budget`.
 
@@ -76,6 +79,7 @@ def absorb(
         rest is padding (never kept, never scored, decays nothing). Default: all N.
       prompt: how oneshot prefill scores a long chunk (`h2o_fn.Prompt`; default: every
         query scores, no pooling).
+      kv: how the state stores rows (`init`'s `h2o_fn.Storage`).
 
     `config.prefill`:
       "greedy": exactly N single-token steps (one weight pass while nothing can be
@@ -99,13 +103,13 @@ def absorb(
         >>> s.length.tolist(), s.seen.tolist()
         ([4, 2], [6, 2])
     """
-    n = check_chunk(state, keys, values, config)
+    n = check_chunk(state, keys, values, kv)
     check_weights(state, keys, config, weights, n_alive, prompt)
     if n_alive is not None and (n_alive.ndim != 1 or n_alive.shape[0] != keys.shape[0]):
         raise ValueError(f"n_alive shape {tuple(n_alive.shape)} is invalid: expected [B={keys.shape[0]}]")
     if config.prefill == "oneshot":
-        return _absorb_oneshot(state, keys, values, config, weights, n_alive, prompt)
-    return _absorb_greedy(state, keys, values, config, weights, argmin, n_alive, n)
+        return _absorb_oneshot(state, keys, values, config, weights, n_alive, prompt, kv)
+    return _absorb_greedy(state, keys, values, config, weights, argmin, n_alive, n, kv)
 
 
 def _alive_mask(N: int, n_alive: Optional[mx.array]) -> Optional[mx.array]:
@@ -113,7 +117,7 @@ def _alive_mask(N: int, n_alive: Optional[mx.array]) -> Optional[mx.array]:
     return None if n_alive is None else (mx.arange(N) < n_alive[:, None])[:, None, :]
 
 
-def _chunk_weights(state, keys, chunk_store, config, weights, n_alive, first: int = 0) -> mx.array:
+def _chunk_weights(state, keys, chunk_store, kv, weights, n_alive, first: int = 0) -> mx.array:
     """`[B, H, N - first, C + N]` float32 weights of the chunk's queries first..N-1: slots
     then chunk tokens (first > 0 only without padding; with query scoring, `weights` are
     those rows').
@@ -137,10 +141,10 @@ def _chunk_weights(state, keys, chunk_store, config, weights, n_alive, first: in
             [mx.ones((B, 1, 1, C), dtype=mx.bool_), alive[..., None, :]], axis=-1)
         visible = visible & real
     if weights is None:
-        k = f32(keys if config.kv_bits is None else dense(chunk_store, config))
+        k = f32(keys if kv.bits is None else dense(chunk_store, kv))
         q = k[:, :, first:]
         # slots and chunk apart: concatenating the keys would copy all C stored rows
-        logits = mx.concatenate([times_rows(q, state.keys, config), q @ k.swapaxes(-1, -2)],
+        logits = mx.concatenate([times_rows(q, state.keys, kv), q @ k.swapaxes(-1, -2)],
                                 axis=-1) * keys.shape[-1] ** -0.5
         weights = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
     return clean_weights(mx.where(visible, weights, 0.0))
@@ -188,13 +192,13 @@ def pooled(scores: mx.array, positions: mx.array, pool: int) -> mx.array:
     return mx.where(positions >= 0, back, scores)
 
 
-def _absorb_oneshot(state, keys, values, config, weights, n_alive, prompt) -> H2OState:
-    chunk_keys = stored_rows(keys, state.keys, config)
-    scores, real, pool = _oneshot_scores(state, keys, chunk_keys, config, weights, n_alive, prompt)
-    return _keep_best(state, chunk_keys, stored_rows(values, state.values, config), scores, real, pool, config)
+def _absorb_oneshot(state, keys, values, config, weights, n_alive, prompt, kv) -> H2OState:
+    chunk_keys = stored_rows(keys, state.keys, kv)
+    scores, real, pool = _oneshot_scores(state, keys, chunk_keys, config, weights, n_alive, prompt, kv)
+    return _keep_best(state, chunk_keys, stored_rows(values, state.values, kv), scores, real, pool, config)
 
 
-def _oneshot_scores(state, keys, chunk_keys, config, weights, n_alive, prompt):
+def _oneshot_scores(state, keys, chunk_keys, config, weights, n_alive, prompt, kv):
     """(scores `[B, H, C + N]` of the slots then the chunk's tokens, real tokens `[B]`, and
     pooling: None, or (the rows ranked by pooled scores `[B]` bool, the pool)): oneshot's
     rule, before any eviction."""
@@ -203,7 +207,7 @@ def _oneshot_scores(state, keys, chunk_keys, config, weights, n_alive, prompt):
     # only the last scored_queries rows score (a prompt's window): the key proxy computes
     # no other row's weights, and query weights may cover those rows alone
     first = N - (scored_queries(N, config, n_alive, prompt) if weights is None else weights.shape[2])
-    w = _chunk_weights(state, keys, chunk_keys, config, weights, n_alive, first)
+    w = _chunk_weights(state, keys, chunk_keys, kv, weights, n_alive, first)
     long_chunk = N > prompt.window  # a prompt: scored by its last queries, ranked by spans
     if prompt.window and long_chunk:
         w = mx.where(mx.arange(first, N)[:, None] >= (real - knob(prompt.window))[:, None, None, None], w, 0.0)
@@ -219,7 +223,8 @@ def _oneshot_scores(state, keys, chunk_keys, config, weights, n_alive, prompt):
 
 
 def absorb_staged(state: H2OState, keys: mx.array, values: mx.array, config: H2OConfig,
-                  weights: Optional[mx.array] = None, prompt: Prompt = Prompt()) -> H2OState:
+                  weights: Optional[mx.array] = None, prompt: Prompt = Prompt(),
+                  kv: Storage = DENSE) -> H2OState:
     """The N newest tokens of `state`, already admitted unscored (staged decode: `admit` N
     times, `[B, H, N, D]` their keys and values), scored and evicted as the oneshot chunk
     they are: the kept positions and scores of `absorb(rewind(state, N), keys, values)`.
@@ -238,17 +243,17 @@ def absorb_staged(state: H2OState, keys: mx.array, values: mx.array, config: H2O
         >>> kv = mx.random.normal((1, 1, 6, 8))
         >>> s = init(cfg, 1, 1, 8, room=2)  # two tokens judged at a time
         >>> for t in range(6):
-        ...     s = admit(s, kv[:, :, t : t + 1], kv[:, :, t : t + 1], cfg)
+        ...     s = admit(s, kv[:, :, t : t + 1], kv[:, :, t : t + 1])
         ...     if t % 2:
         ...         s = absorb_staged(s, kv[:, :, t - 1 : t + 1], kv[:, :, t - 1 : t + 1], cfg)
         >>> s.length.tolist(), (s.positions[0, 0] >= 0).tolist()
         ([4], [True, True, True, True, False, False])
     """
-    N = check_chunk(state, keys, values, config)
+    N = check_chunk(state, keys, values, kv)
     base = rewind(state, N)
     check_weights(base, keys, config, weights, prompt=prompt)
-    chunk_keys = stored_rows(keys, state.keys, config)
-    scores, _, pool = _oneshot_scores(base, keys, chunk_keys, config, weights, None, prompt)
+    chunk_keys = stored_rows(keys, state.keys, kv)
+    scores, _, pool = _oneshot_scores(base, keys, chunk_keys, config, weights, None, prompt, kv)
     C = state.positions.shape[-1]
     staged = state.positions - per_row(base.seen)  # staged token i sits where this is i
     chunk = mx.take_along_axis(scores[..., C:], mx.clip(staged, 0, N - 1), axis=-1)
@@ -325,7 +330,7 @@ def _keep_best(state, chunk_keys, chunk_values, scores, real, pool, config) -> H
 
 
 def absorb_scored(state: H2OState, keys: mx.array, values: mx.array, scores: mx.array,
-                  config: H2OConfig, prompt: Prompt = Prompt()) -> H2OState:
+                  config: H2OConfig, prompt: Prompt = Prompt(), kv: Storage = DENSE) -> H2OState:
     """Absorb a chunk `[B, H, N, D]` whose scores come from elsewhere (a prompt-scoring
     pass such as `h2o_fn.retention`), then evict down to budget by the usual rule.
 
@@ -349,18 +354,18 @@ def absorb_scored(state: H2OState, keys: mx.array, values: mx.array, scores: mx.
         >>> kept_positions(absorb_scored(init(cfg, 1, 1, 4), kv, kv, s, cfg))[0, 0].tolist()
         [0, 2, 5, -1]
     """
-    N = check_chunk(state, keys, values, config)
+    N = check_chunk(state, keys, values, kv)
     expected = (*keys.shape[:2], state.positions.shape[-1] + N)
     if tuple(scores.shape) != expected:
         raise ValueError(f"scores shape {tuple(scores.shape)} is invalid: expected {expected} "
                          "(the state's slots, then the chunk's tokens)")
     real = mx.broadcast_to(knob(N), (keys.shape[0],))
     pool = (mx.broadcast_to(mx.array(True), (keys.shape[0],)), prompt.pool) if prompt.pool > 1 else None
-    return _keep_best(state, stored_rows(keys, state.keys, config), stored_rows(values, state.values, config),
+    return _keep_best(state, stored_rows(keys, state.keys, kv), stored_rows(values, state.values, kv),
                       clean_weights(scores), real, pool, config)
 
 
-def _absorb_greedy(state, keys, values, config, weights, argmin, n_alive, N) -> H2OState:
+def _absorb_greedy(state, keys, values, config, weights, argmin, n_alive, N, kv) -> H2OState:
     C = state.positions.shape[-1]
     lengths = state.length.tolist()
     n0 = 0
@@ -372,13 +377,13 @@ def _absorb_greedy(state, keys, values, config, weights, argmin, n_alive, N) -> 
             [weights[:, :, :n0, :C], weights[:, :, :n0, C : C + n0]], axis=-1
         )
         head = keys[:, :, :n0]
-        chunk_keys = stored_rows(head, state.keys, config)
-        mass = _decayed_sum(_chunk_weights(state, head, chunk_keys, config, w0, None), config.decay, None)
+        chunk_keys = stored_rows(head, state.keys, kv)
+        mass = _decayed_sum(_chunk_weights(state, head, chunk_keys, kv, w0, None), config.decay, None)
         scores = mx.where(state.positions >= 0, (config.decay ** n0) * state.scores + mass[..., :C], 0.0)
         stop = length + n0
         state = H2OState(
             keys=storage.put(state.keys, chunk_keys, length),
-            values=storage.put(state.values, stored_rows(values[:, :, :n0], state.values, config), length),
+            values=storage.put(state.values, stored_rows(values[:, :, :n0], state.values, kv), length),
             scores=mx.concatenate([scores[..., :length], mass[..., C:], scores[..., stop:]], axis=-1),
             positions=mx.concatenate(
                 [state.positions[..., :length],
@@ -390,7 +395,7 @@ def _absorb_greedy(state, keys, values, config, weights, argmin, n_alive, N) -> 
             length=state.length + n0,
             seen=state.seen + n0,
         )
-    one = compiled_step(config, argmin)
+    one = compiled_step(config, argmin, kv)
     column = None
     if weights is not None:  # which weight column holds each slot's token
         slot = mx.arange(C)

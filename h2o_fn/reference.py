@@ -11,8 +11,8 @@ spec does not (see tests/strategies.py).
 Query weights are indexed by absolute position, so they need no slot layout:
 `weights[b, h, i, p]` is chunk query i's weight on row b's token at position p.
 Rows count on their own (`seen[b]`); padding (`alive`, `n_alive`) is skipped.
-Quantized storage is not modelled: feed the spec the keys the core stores
-(dequantized), and it keeps the same positions.
+Quantized storage is not modelled (each twin takes the core's `kv` and ignores it):
+feed the spec the keys the core stores (dequantized), and it keeps the same positions.
 
 Example:
     >>> import numpy as np
@@ -52,8 +52,9 @@ class RefState:
         return [len(row[0]) if row else 0 for row in self.heads]
 
 
-def init(config, batch: int, n_heads: int, head_dim: int, dtype=None, value_dim=None, room: int = 1) -> RefState:
-    del config, dtype, value_dim, room  # the reference keeps lists: no slots to size
+def init(config, batch: int, n_heads: int, head_dim: int, dtype=None, value_dim=None, room: int = 1,
+         kv=None) -> RefState:
+    del config, dtype, value_dim, room, kv  # the reference keeps lists: no slots to size
     return RefState([[[] for _ in range(n_heads)] for _ in range(batch)], [0] * batch, head_dim)
 
 
@@ -78,9 +79,9 @@ def _softmax_weights(stored: List[Token], query: np.ndarray) -> List[float]:
     return [clean(float(x)) for x in w]
 
 
-def key_weights(state: RefState, queries, config=None) -> List[List[List[List[float]]]]:
+def key_weights(state: RefState, queries, kv=None) -> List[List[List[List[float]]]]:
     """Proxy weights [b][h][i] -> one weight per kept token (arrival order)."""
-    del config
+    del kv
     queries = np.asarray(queries, dtype=np.float64)
     return [[[_softmax_weights(head, q) for q in queries[b, h]] for h, head in enumerate(row)]
             for b, row in enumerate(state.heads)]
@@ -114,9 +115,9 @@ def _alive(alive, b: int) -> bool:
     return True if alive is None else bool(np.asarray(alive)[b])
 
 
-def admit(state: RefState, key, value, config=None, alive=None) -> RefState:
+def admit(state: RefState, key, value, kv=None, alive=None) -> RefState:
     """Append one token `[B, H, 1, D]` with score 0 to every alive row."""
-    del config
+    del kv
     state = _copy(state)
     key, value = np.asarray(key, np.float64), np.asarray(value, np.float64)
     for b, row in enumerate(state.heads):
@@ -155,18 +156,18 @@ def _one_token(head, key, value, position, config, weight_of=None):
     return _evict_head(head, position, config)
 
 
-def step(state: RefState, key, value, config, weights=None, argmin=None, alive=None) -> RefState:
+def step(state: RefState, key, value, config, weights=None, argmin=None, alive=None, kv=None) -> RefState:
     """One token `[B, H, 1, D]`; `weights` `[B, H, 1, P]` by position for scoring="query"."""
-    del argmin
+    del argmin, kv
     n_alive = None if alive is None else np.asarray(alive).astype(int)
     return absorb(state, key, value, config._replace(prefill="greedy"), weights, n_alive=n_alive)
 
 
 def absorb(state: RefState, keys, values, config, weights=None, argmin=None, n_alive=None,
-           prompt: Prompt = Prompt()) -> RefState:
+           prompt: Prompt = Prompt(), kv=None) -> RefState:
     """N tokens `[B, H, N, D]`; `weights` `[B, H, N, P]` by position for scoring="query";
     row b's tokens from n_alive[b] on are padding."""
-    del argmin
+    del argmin, kv
     keys = np.asarray(keys, dtype=np.float64)
     values = np.asarray(values, dtype=np.float64)
     weights = None if weights is None else np.asarray(weights, dtype=np.float64)
@@ -225,9 +226,10 @@ def _keep_best(everyone: List[Token], newest: int, r: int, config) -> List[Token
     return [t for t in everyone if id(t) not in gone]
 
 
-def absorb_scored(state: RefState, keys, values, scores, config, prompt: Prompt = Prompt()) -> RefState:
+def absorb_scored(state: RefState, keys, values, scores, config, prompt: Prompt = Prompt(), kv=None) -> RefState:
     """N tokens `[B, H, N, D]` whose scores are given: `scores[b, h, p]` is the new score of
     row b's token at position p (kept or in the chunk); then evict down to budget."""
+    del kv
     keys, values = np.asarray(keys, np.float64), np.asarray(values, np.float64)
     scores = np.asarray(scores, np.float64)
     state = _copy(state)
@@ -273,9 +275,11 @@ def chunk_scores(state: RefState, scores, rows=None) -> List[List[dict]]:
     return out
 
 
-def absorb_staged(state: RefState, keys, values, config, weights=None, prompt: Prompt = Prompt()) -> RefState:
+def absorb_staged(state: RefState, keys, values, config, weights=None, prompt: Prompt = Prompt(),
+                  kv=None) -> RefState:
     """The N newest tokens of `state` (admitted, unscored) scored as one oneshot chunk from
     the state before them; `weights` `[B, H, N, P]` by position."""
+    del kv
     before = rewind(state, np.asarray(keys).shape[2])
     return absorb(before, keys, values, config._replace(prefill="oneshot"), weights, prompt=prompt)
 

@@ -20,6 +20,7 @@ from .arrays import f32, knob, per_row, times_rows
 from .config import H2OConfig
 from .prompt import Prompt
 from .state import H2OState
+from .storage import DENSE, Storage
 
 
 def clean_weights(weights: mx.array) -> mx.array:
@@ -28,30 +29,31 @@ def clean_weights(weights: mx.array) -> mx.array:
     return mx.where((w > 0) & (w < mx.inf), w, 0.0)
 
 
-def key_weights(state: H2OState, queries: mx.array, config: H2OConfig) -> mx.array:
+def key_weights(state: H2OState, queries: mx.array, kv: Storage = DENSE) -> mx.array:
     """Key-as-query proxy weights of `queries` `[B, H, N, D]` over the valid slots.
 
     Returns `[B, H, N, C]` float32 softmax weights (0 on free slots; all 0 when S is empty).
+    `kv`: how the state stores its keys (quantized keys are read as stored).
 
     Example:
         >>> import mlx.core as mx
         >>> from h2o_fn import H2OConfig, init, absorb, key_weights
         >>> cfg = H2OConfig(budget=8, n_sink=1, grace=1)
         >>> s = absorb(init(cfg, 1, 1, 4), mx.ones((1, 1, 3, 4)), mx.ones((1, 1, 3, 4)), cfg)
-        >>> key_weights(s, mx.ones((1, 1, 1, 4)), cfg)[0, 0, 0, :4].tolist()
+        >>> key_weights(s, mx.ones((1, 1, 1, 4)))[0, 0, 0, :4].tolist()
         [0.3333333432674408, 0.3333333432674408, 0.3333333432674408, 0.0]
     """
-    return proxy_weights(state.keys, state.positions >= 0, queries, config)
+    return proxy_weights(state.keys, state.positions >= 0, queries, kv)
 
 
-def proxy_weights(keys, visible: mx.array, queries: mx.array, config: H2OConfig) -> mx.array:
+def proxy_weights(keys, visible: mx.array, queries: mx.array, kv: Storage) -> mx.array:
     """softmax over visible slots (`[B, H, C]` bool) of keys . queries / sqrt(D), float32,
     the keys a store `[B, H, C, D]` (quantized rows are read where they lie: `times_rows`).
 
     Hidden slots get exactly 0 (exp(-inf)); an all-hidden row's NaNs are cleaned to 0.
     """
     scale = queries.shape[-1] ** -0.5
-    logits = times_rows(f32(queries) * scale, keys, config)
+    logits = times_rows(f32(queries) * scale, keys, kv)
     w = mx.softmax(mx.where(visible[..., None, :], logits, -mx.inf), axis=-1, precise=True)
     return mx.nan_to_num(w, nan=0.0)  # softmax gives [0, 1] or NaN (no valid slot, NaN keys)
 

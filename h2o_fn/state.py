@@ -15,7 +15,7 @@ exactly `[0, length[b])`; from the first eviction on, `length[b] == budget`
 after every token, with one free slot somewhere. So the first `length[b] + 1`
 slots always hold the kept tokens plus the slot the next token takes.
 
-Keys and values are stores (`h2o_fn.storage`): one array, or with `kv_bits`
+Keys and values are stores (`h2o_fn.storage`): one array, or with `Storage(bits)`
 the (packed, scales, biases) triple of mx.quantize. Keys and values may have
 different widths (multi-head latent attention: Dk != Dv).
 

@@ -1,15 +1,26 @@
-"""Row storage: the kept keys or values of a state, dense or quantized.
+"""Row storage: how a state holds its kept keys and values, dense or quantized.
 
-A store is either one array `[B, H, C, D]` (the model's dtype) or, with
-`kv_bits`, the triple mlx's affine quantization gives (as mlx-lm's
-`QuantizedKVCache` holds it): packed words `[B, H, C, D * bits / 32]` uint32,
-scales and biases `[B, H, C, D / group]` in the model's dtype. Every function
-here treats both alike, so the core never branches on the storage kind.
-Writes touch O(D) words per (b, h); nothing here copies a whole store.
+`Storage(bits, group_size)` is the choice, a value of its own beside the eviction
+rule (`H2OConfig`): `Storage()` keeps rows in the model's dtype, `Storage(8)` stores
+them as mlx-lm's `QuantizedKVCache(bits=8)` does. The core's functions that write or
+read rows take it as `kv` (default `Storage()`).
+
+A store is either one array `[B, H, C, D]` (the model's dtype) or, with `bits`,
+the triple mlx's affine quantization gives (as mlx-lm's `QuantizedKVCache` holds
+it): packed words `[B, H, C, D * bits / 32]` uint32, scales and biases
+`[B, H, C, D / group]` in the model's dtype. Every function here treats both alike,
+so the core never branches on the storage kind. Writes touch O(D) words per (b, h);
+nothing here copies a whole store.
 
 Example:
     >>> import mlx.core as mx
-    >>> from h2o_fn.storage import empty, quantize, dense, take
+    >>> from h2o_fn.storage import Storage, empty, quantize, dense, take
+    >>> Storage(8).bytes_per_element()          # 8 bits + a float16 scale and bias per 64
+    0.53125
+    >>> Storage(bits=7)
+    Traceback (most recent call last):
+    ...
+    ValueError: Storage.bits=7 is invalid: expected None or one of (2, 3, 4, 5, 6, 8)
     >>> store = empty((1, 2, 4), 64, mx.float16, bits=8, group_size=64)
     >>> [x.shape for x in store]
     [(1, 2, 4, 16), (1, 2, 4, 1), (1, 2, 4, 1)]
@@ -18,14 +29,61 @@ Example:
     (1, 2, 4, 64)
 """
 
-from typing import Optional, Tuple, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
 
-from .config import KV_GROUP_SIZES
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs (1 bit is left out: it collapses)
+KV_GROUP_SIZES = (32, 64, 128)
 
 Store = Union[mx.array, Tuple[mx.array, mx.array, mx.array]]  # dense, or (packed, scales, biases)
 
+
+class _Fields(NamedTuple):
+    bits: Optional[int]  # None: rows in the model's dtype; else mx.quantize bits per element
+    group_size: int  # elements per quantization group (scale + bias) along head_dim
+
+
+class Storage(_Fields):
+    """How rows are stored, validated at construction (`ValueError` names the field):
+    `bits` None or in KV_BITS, `group_size` in KV_GROUP_SIZES (read only with bits)."""
+
+    __slots__ = ()
+
+    def __new__(cls, bits: Optional[int] = None, group_size: int = 64):
+        if bits is not None and (isinstance(bits, bool) or bits not in KV_BITS):
+            raise ValueError(f"Storage.bits={bits!r} is invalid: expected None or one of {KV_BITS}")
+        if isinstance(group_size, bool) or group_size not in KV_GROUP_SIZES:
+            raise ValueError(f"Storage.group_size={group_size!r} is invalid: expected one of {KV_GROUP_SIZES}")
+        return super().__new__(cls, bits, group_size)
+
+    def _replace(self, **changes) -> "Storage":
+        return Storage(**{**self._asdict(), **changes})
+
+    def bytes_per_element(self, model_bits: int = 16) -> float:
+        """Stored bits per key/value element over a `model_bits` cache (1.0 when dense).
+
+        Quantized rows hold `bits` per element plus a scale and a bias per group,
+        each in the model's dtype: (bits + 2 * model_bits / group) / model_bits.
+        """
+        if self.bits is None:
+            return 1.0
+        return (self.bits + 2 * model_bits / self.group_size) / model_bits
+
+    def fields(self) -> dict:
+        """As mlx-lm names them (`kv_bits`, `kv_group_size`): what saved caches and JSON record."""
+        return {"kv_bits": self.bits, "kv_group_size": self.group_size}
+
+
+DENSE = Storage()
+
+
+def check(kv) -> Storage:
+    """`kv` if it is a `Storage`, else a TypeError naming what was given."""
+    if not isinstance(kv, Storage):
+        raise TypeError(f"kv is a {type(kv).__name__}: expected an h2o_fn.Storage (how rows are stored, "
+                        "e.g. Storage() or Storage(bits=8))")
+    return kv
 
 
 def is_quantized(store: Store) -> bool:
@@ -45,8 +103,8 @@ def check_dim(dim: int, group_size: int, what: str = "head_dim") -> None:
     """mx.quantize groups the last axis: it must split into whole groups."""
     if dim % group_size:
         raise ValueError(
-            f"{what}={dim} is invalid for kv_group_size={group_size}: expected a multiple "
-            f"of the group size (pick kv_group_size from {[g for g in KV_GROUP_SIZES if dim % g == 0]})"
+            f"{what}={dim} is invalid for group_size={group_size}: expected a multiple "
+            f"of the group size (pick group_size from {[g for g in KV_GROUP_SIZES if dim % g == 0]})"
         )
 
 

@@ -22,7 +22,7 @@ Example:
     >>> kv = mx.random.normal((2, 1, 3, 8))
     >>> s = absorb(init(cfg, 2, 1, 8), kv, kv, cfg, n_alive=mx.array([3, 1]))
     >>> rows = rows_for([3, 1], capacity(s))
-    >>> k, v = chunk_view(s, kv[:, :, :2], kv[:, :, :2], cfg, rows)
+    >>> k, v = chunk_view(s, kv[:, :, :2], kv[:, :, :2], rows)
     >>> rows, k.shape
     (4, (2, 1, 5, 8))
     >>> view_mask(s.length, rows, 2)[:, 0].astype(mx.int32).tolist()
@@ -34,9 +34,9 @@ from typing import Sequence, Tuple
 import mlx.core as mx
 
 from . import storage
-from .config import H2OConfig
 from .core import INT32_MAX, admit, stored_rows
 from .state import H2OState
+from .storage import DENSE, Storage
 
 
 def rows_for(lengths: Sequence[int], capacity: int) -> int:
@@ -50,19 +50,19 @@ def view(state: H2OState, rows: int) -> Tuple[storage.Store, storage.Store]:
     return storage.head(state.keys, rows), storage.head(state.values, rows)
 
 
-def chunk_view(state: H2OState, keys: mx.array, values: mx.array, config: H2OConfig,
-               rows: int) -> Tuple[storage.Store, storage.Store]:
+def chunk_view(state: H2OState, keys: mx.array, values: mx.array, rows: int,
+               kv: Storage = DENSE) -> Tuple[storage.Store, storage.Store]:
     """The view of chunk `[B, H, N, D]` over `state`: `[B, H, rows + N - 1, D]` (stores).
 
     Chunk token 0 is written into the slot it will take; tokens 1..N-1 follow, as the
-    state would store them (quantized when `config.kv_bits`).
+    state would store them (`kv`: quantized when `kv.bits`).
     """
-    first = admit(state, keys[:, :, :1], values[:, :, :1], config)
+    first = admit(state, keys[:, :, :1], values[:, :, :1], kv)
     k, v = view(first, rows)
     if keys.shape[2] == 1:
         return k, v
-    return (storage.concat(k, stored_rows(keys[:, :, 1:], state.keys, config)),
-            storage.concat(v, stored_rows(values[:, :, 1:], state.values, config)))
+    return (storage.concat(k, stored_rows(keys[:, :, 1:], state.keys, kv)),
+            storage.concat(v, stored_rows(values[:, :, 1:], state.values, kv)))
 
 
 def compact(state: H2OState) -> H2OState:

@@ -20,9 +20,9 @@ def scores(state: H2OState):
     return out
 
 
-def rows(state: H2OState, which: str, config) -> list:
+def rows(state: H2OState, which: str, kv) -> list:
     """{position: stored row (dequantized, float64)} per (b, h) for keys or values."""
-    store = storage.dense(getattr(state, which), config.kv_bits, config.kv_group_size)
+    store = storage.dense(getattr(state, which), kv.bits, kv.group_size)
     data = np.array(store.astype(mx.float32), dtype=np.float64)
     out = []
     for b, prow in enumerate(state.positions.tolist()):
@@ -30,9 +30,9 @@ def rows(state: H2OState, which: str, config) -> list:
     return out
 
 
-def assert_matches(state: H2OState, rstate: ref.RefState, rtol=1e-5, atol=1e-7, where="", config=None):
-    """Same seen counts, kept positions and scores; with `config`, also the stored key and
-    value rows of every kept position (what attention will read)."""
+def assert_matches(state: H2OState, rstate: ref.RefState, rtol=1e-5, atol=1e-7, where="", kv=None):
+    """Same seen counts, kept positions and scores; with `kv` (the state's Storage), also the
+    stored key and value rows of every kept position (what attention will read)."""
     assert state.seen.tolist() == rstate.seen, where
     assert state.length.tolist() == rstate.length, where
     assert kept(state) == ref.kept_positions(rstate), (
@@ -44,10 +44,10 @@ def assert_matches(state: H2OState, rstate: ref.RefState, rtol=1e-5, atol=1e-7, 
             ps = sorted(w)
             np.testing.assert_allclose([g[p] for p in ps], [w[p] for p in ps], rtol=rtol, atol=atol,
                                        err_msg=where)
-    if config is None:
+    if kv is None:
         return
     for which in ("key", "value"):
-        got, want = rows(state, which + "s", config), ref.rows_by_position(rstate, which)
+        got, want = rows(state, which + "s", kv), ref.rows_by_position(rstate, which)
         for grow, wrow in zip(got, want):
             for g, w in zip(grow, wrow):
                 if w:  # one comparison per head: row i of each side is position ps[i]
@@ -99,8 +99,8 @@ def chunk_weights(stream, start, n: int) -> np.ndarray:
     return out
 
 
-def dequantized(keys: np.ndarray, config, dtype=mx.float32) -> np.ndarray:
-    """What a state with `config.kv_bits` stores for these rows, read back as float64."""
-    stored = storage.quantize(mx.array(keys).astype(dtype), config.kv_bits, config.kv_group_size)
-    return np.array(storage.dense(stored, config.kv_bits, config.kv_group_size).astype(mx.float32),
-                    dtype=np.float64)
+def dequantized(keys: np.ndarray, kv, dtype=mx.float32) -> np.ndarray:
+    """What a state storing rows as `kv` (a quantizing Storage) holds for these rows, read
+    back as float64."""
+    stored = storage.quantize(mx.array(keys).astype(dtype), kv.bits, kv.group_size)
+    return np.array(storage.dense(stored, kv.bits, kv.group_size).astype(mx.float32), dtype=np.float64)

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for h2o-fn: configs, shapes and token streams.
+"""Hypothesis strategies for h2o-fn: configs, storages, shapes and token streams.
 
 Keys come from a seeded NumPy generator (the seed is drawn), not from floats
 drawn one by one: shrinking then cannot manufacture float32-vs-float64
@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 from hypothesis import strategies as st
 
-from h2o_fn import H2OConfig, Prompt
+from h2o_fn import H2OConfig, Prompt, Storage
 
 DECAYS = st.one_of(st.sampled_from([1.0, 0.98, 0.5]), st.floats(0.05, 1.0))
 
@@ -39,13 +39,17 @@ def prompts(draw):
     return Prompt(window=draw(st.sampled_from([0, 0, 0, 1, 3, 8])), pool=draw(st.sampled_from([1, 1, 3, 5])))
 
 
+def storages():
+    """How rows are stored: quantized (8 or 4 bits, groups of 32) in about one draw in three."""
+    return st.builds(Storage, st.sampled_from([None, None, None, None, 8, 4]), st.just(32))
+
+
 @st.composite
-def configs(draw, scoring=None, prefill=None, max_budget=64, quantized=True):
-    """Any valid config; `kv_bits` (8 or 4, groups of 32) in about one draw in five."""
+def configs(draw, scoring=None, prefill=None, max_budget=64):
+    """Any valid config."""
     budget = draw(st.integers(1, max_budget))
     n_sink = draw(st.integers(0, budget - 1))
     grace = draw(st.integers(0, budget - 1 - n_sink))
-    kv_bits = draw(st.sampled_from([None, None, None, None, 8, 4])) if quantized else None
     return H2OConfig(
         budget=budget,
         n_sink=n_sink,
@@ -53,8 +57,6 @@ def configs(draw, scoring=None, prefill=None, max_budget=64, quantized=True):
         decay=draw(DECAYS),
         scoring=scoring or draw(st.sampled_from(["key", "query"])),
         prefill=prefill or draw(st.sampled_from(["greedy", "oneshot"])),
-        kv_bits=kv_bits,
-        kv_group_size=32,
     )
 
 
@@ -64,10 +66,10 @@ class Shape(NamedTuple):
     D: int
 
 
-def shapes(max_b=2, max_h=3, max_d=64, config=None):
-    """B, H, D; D a multiple of the group size when `config` stores quantized rows."""
-    if config is not None and config.kv_bits is not None:
-        dims = st.sampled_from([config.kv_group_size, 2 * config.kv_group_size])
+def shapes(max_b=2, max_h=3, max_d=64, kv=None):
+    """B, H, D; D a multiple of the group size when `kv` (a Storage) quantizes rows."""
+    if kv is not None and kv.bits is not None:
+        dims = st.sampled_from([kv.group_size, 2 * kv.group_size])
     else:
         dims = st.one_of(st.just(1), st.integers(1, max_d))
     return st.builds(Shape, st.integers(1, max_b), st.integers(1, max_h), dims)

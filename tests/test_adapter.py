@@ -18,7 +18,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from h2o_fn import H2OConfig, Prompt, absorb, assert_invariants, check_invariants, init, kept_positions, step
+from h2o_fn import H2OConfig, Prompt, Storage, absorb, assert_invariants, check_invariants, init, kept_positions, step
 from h2o_fn.adapters.attention import (
     attention_with_weights,
     install_query_hook,
@@ -82,15 +82,15 @@ def test_quantized_rows_give_mlx_lm_quantized_cache_logits(llama32, scoring, bit
     """kv_bits with budget >= tokens: the logits of mlx-lm's QuantizedKVCache(bits)."""
     llama = llama32
     quantized = run(llama, [QuantizedKVCache(group_size=32, bits=bits) for _ in llama.layers])
-    cfg = H2OConfig(budget=64, n_sink=2, grace=4, scoring=scoring, kv_bits=bits, kv_group_size=32)
-    cache = make_h2o_cache(llama, cfg)
+    cfg = H2OConfig(budget=64, n_sink=2, grace=4, scoring=scoring)
+    cache = make_h2o_cache(llama, cfg, kv_bits=bits, kv_group_size=32)
     h2o = run(llama, cache)
     if scoring == "key":  # the same quantized rows, the same mlx-lm attention path
         assert mx.array_equal(h2o, quantized)
     else:  # explicit float32 attention over the dequantized rows
         assert mx.allclose(h2o, quantized, atol=2e-3, rtol=2e-3)
     assert cache[0].bits == bits and cache[0].group_size == 32
-    unquantized = make_h2o_cache(llama, cfg._replace(kv_bits=None))
+    unquantized = make_h2o_cache(llama, cfg)
     run(llama, unquantized)
     assert not hasattr(unquantized[0], "bits")  # mlx-lm routes by hasattr(cache, "bits")
     ratio = cache[0].nbytes / unquantized[0].nbytes
@@ -101,9 +101,8 @@ def test_quantized_rows_give_mlx_lm_quantized_cache_logits(llama32, scoring, bit
 @pytest.mark.parametrize("kv_bits", [None, 8])
 def test_under_eviction_the_invariants_hold_in_every_layer(llama32, scoring, prefill, kv_bits):
     llama = llama32
-    cfg = H2OConfig(budget=12, n_sink=2, grace=3, scoring=scoring, prefill=prefill, kv_bits=kv_bits,
-                    kv_group_size=32)
-    cache = make_h2o_cache(llama, cfg)
+    cfg = H2OConfig(budget=12, n_sink=2, grace=3, scoring=scoring, prefill=prefill)
+    cache = make_h2o_cache(llama, cfg, kv_bits=kv_bits, kv_group_size=32)
     i = 0
     for n in CHUNKS:
         logits = llama(TOKENS[:, i : i + n], cache=cache)
@@ -182,14 +181,14 @@ def test_defaults_agree():
 @pytest.mark.parametrize("scoring, kv_bits", [("key", None), ("query", None), ("query", 4)])
 def test_save_and_load_prompt_cache_round_trips(llama32, tmp_path, scoring, kv_bits):
     llama = llama32
-    cfg = H2OConfig(budget=10, n_sink=1, grace=2, scoring=scoring, kv_bits=kv_bits, kv_group_size=32)
-    cache = make_h2o_cache(llama, cfg)
+    cfg = H2OConfig(budget=10, n_sink=1, grace=2, scoring=scoring)
+    cache = make_h2o_cache(llama, cfg, kv_bits=kv_bits, kv_group_size=32)
     run(llama, cache, CHUNKS[:6])
     save_prompt_cache(str(tmp_path / "c.safetensors"), cache)
     loaded = load_prompt_cache(str(tmp_path / "c.safetensors"))
     assert [type(c) for c in loaded] == [H2OKVCache] * 2
     for a, b in zip(cache, loaded):
-        assert (a.config, a.offset, a.tokens_kept, a.nbytes) == (b.config, b.offset, b.tokens_kept, b.nbytes)
+        assert (a.policy, a.offset, a.tokens_kept, a.nbytes) == (b.policy, b.offset, b.tokens_kept, b.nbytes)
         for x, y in zip(a.core_state, b.core_state):
             assert same(x, y)
     rest, start = CHUNKS[6:], sum(CHUNKS[:6])
@@ -440,8 +439,9 @@ def test_evict_every_with_nothing_evicted_equals_the_full_cache(llama):
 
 
 def test_the_adapters_knobs_are_checked_and_travel_with_a_saved_cache():
-    """evict_every and the prompt scoring sit beside the config (not in it): a bad value
-    names itself, and a cache's state brings both back, with the config, in one flat JSON."""
+    """evict_every, the prompt scoring and the row storage sit beside the config (not in
+    it): a bad value names itself, and a cache's state brings all three back, with the
+    config, in one flat JSON (the object older files hold, when they were its fields)."""
     import json
 
     from h2o_fn import capacity
@@ -451,15 +451,19 @@ def test_the_adapters_knobs_are_checked_and_travel_with_a_saved_cache():
         H2OKVCache(cfg, evict_every=0)
     with pytest.raises(TypeError, match="expected an h2o_fn.Prompt"):
         H2OKVCache(cfg, prompt={"window": 4})
-    cache = H2OKVCache(cfg, evict_every=3, prompt=Prompt(window=4, pool=3))
-    kv = mx.random.normal((1, 2, 20, 16))
+    with pytest.raises(ValueError, match=r"Storage.bits=7 is invalid: expected None or one of \(2, 3, 4, 5, 6, 8\)"):
+        H2OKVCache(cfg, kv_bits=7)
+    cache = H2OKVCache(cfg, evict_every=3, prompt=Prompt(window=4, pool=3), kv_bits=8, kv_group_size=32)
+    kv = mx.random.normal((1, 2, 20, 32))
     cache.update_and_fetch(kv, kv)
     for t in range(2):  # two decode tokens staged, not yet judged
         cache.update_and_fetch(kv[:, :, t : t + 1], kv[:, :, t : t + 1])
     assert cache.tokens_kept == 10 and json.loads(cache.meta_state) == {
-        **cfg._asdict(), "window": 4, "pool": 3, "evict_every": 3}
+        **cfg._asdict(), "window": 4, "pool": 3, "kv_bits": 8, "kv_group_size": 32, "evict_every": 3}
     loaded = H2OKVCache.from_state(cache.state)
-    assert (loaded.config, loaded.policy.prompt, loaded.evict_every) == (cfg, Prompt(4, 3), 3)
+    assert (loaded.config, loaded.policy.prompt, loaded.policy.kv, loaded.evict_every) == (
+        cfg, Prompt(4, 3), Storage(8, 32), 3)
+    assert (loaded.bits, loaded.group_size) == (8, 32)
     assert loaded.tokens_kept == 10 and capacity(loaded.core_state) == 8 + 3  # room for the staged three
-    with pytest.raises(ValueError, match=r"different configs \(config, prompt, evict_every\)"):
-        H2OKVCache.merge([cache, H2OKVCache(cfg, prompt=Prompt(window=4, pool=3))])
+    with pytest.raises(ValueError, match=r"different configs \(config, prompt, storage, evict_every\)"):
+        H2OKVCache.merge([cache, H2OKVCache(cfg, evict_every=3, prompt=Prompt(window=4, pool=3))])

@@ -34,10 +34,10 @@ def model():
     remove_query_hook(m)
 
 
-def replay(model, config, prompt, generated, evict_every=1):
+def replay(model, config, prompt, generated, evict_every=1, **options):
     """One row alone: the prompt minus its last token as one chunk, then single tokens
     (how the batch generator feeds it: it runs one step ahead, so the last one too)."""
-    cache = make_h2o_cache(model, config, evict_every=evict_every)
+    cache = make_h2o_cache(model, config, evict_every=evict_every, **options)
     model(mx.array([prompt[:-1]]), cache=cache)
     for t in (prompt + generated)[len(prompt) - 1 :]:
         model(mx.array([[t]]), cache=cache)
@@ -63,13 +63,13 @@ def test_batch_generate_equals_mlx_lm_when_nothing_is_evicted(model, scoring):
 def test_each_row_evicts_on_its_own_positions(model, scoring, prefill, kv_bits, evict_every):
     """At a small budget every row of the batch keeps exactly what it keeps alone (rows
     that finish early leave the others' staged decode tokens staged)."""
-    cfg = H2OConfig(budget=9, n_sink=1, grace=2, scoring=scoring, prefill=prefill, kv_bits=kv_bits,
-                    kv_group_size=32)
-    caches = [make_h2o_cache(model, cfg, evict_every=evict_every) for _ in PROMPTS]
+    cfg = H2OConfig(budget=9, n_sink=1, grace=2, scoring=scoring, prefill=prefill)
+    rows = dict(kv_bits=kv_bits, kv_group_size=32)
+    caches = [make_h2o_cache(model, cfg, evict_every=evict_every, **rows) for _ in PROMPTS]
     out = batch_generate(model, Tokenizer(), PROMPTS, max_tokens=MAX_TOKENS, return_token_ids=True,
                          return_prompt_caches=True, prompt_caches=caches)
     for prompt, ids, caches in zip(PROMPTS, out.token_ids, out.caches):
-        alone = replay(model, cfg, prompt, ids, evict_every)
+        alone = replay(model, cfg, prompt, ids, evict_every, **rows)
         for a, b in zip(caches, alone):
             assert type(a) is H2OKVCache
             assert a.tokens_seen == b.tokens_seen == len(prompt) + len(ids)

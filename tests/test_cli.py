@@ -19,7 +19,8 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 from h2o_fn import H2OConfig  # noqa: E402
-from h2o_fn.config import KV_BITS, KV_GROUP_SIZES, PREFILLS, SCORINGS  # noqa: E402
+from h2o_fn.config import PREFILLS, SCORINGS  # noqa: E402
+from h2o_fn.storage import KV_BITS, KV_GROUP_SIZES, Storage  # noqa: E402
 from h2o_fn.adapters import gguf  # noqa: E402
 from h2o_fn.adapters import metrics  # noqa: E402
 from h2o_fn.adapters.cli import bench, cache_prompt, common, evaluate, generate, plots  # noqa: E402
@@ -87,16 +88,19 @@ def test_policy_flags_derive_from_the_config():
     actions = {a.dest: a for a in parser._actions}
     assert actions["scoring"].choices == SCORINGS and actions["scoring"].default == DEFAULT_CONFIG.scoring
     assert actions["prefill"].choices == PREFILLS and actions["prefill"].default == DEFAULT_CONFIG.prefill
-    assert actions["kv_bits"].choices == KV_BITS and actions["kv_bits"].default == DEFAULT_CONFIG.kv_bits
-    assert actions["kv_group_size"].choices == KV_GROUP_SIZES
+    assert actions["kv_bits"].choices == KV_BITS and actions["kv_bits"].default == Storage().bits
+    assert actions["kv_group_size"].choices == KV_GROUP_SIZES and actions["kv_group_size"].default == 64
     assert actions["decay"].default == DEFAULT_CONFIG.decay
     assert actions["n_sink"].default is None and actions["grace"].default is None  # derived from the budget
     args = parser.parse_args([])
     for budget in (16, 32, 64, 512):
         assert common.policy_at(args, budget) == DEFAULT_CONFIG.at_budget(budget)
     args = parser.parse_args(["--grace", "3", "--n-sink", "1", "--kv-bits", "8"])
-    assert common.policy_at(args, 32) == DEFAULT_CONFIG._replace(budget=32, n_sink=1, grace=3, kv_bits=8)
+    assert common.policy_at(args, 32) == DEFAULT_CONFIG._replace(budget=32, n_sink=1, grace=3)
     assert common.policy_at(args, 32, scoring="key").scoring == "key"
+    options = common.cache_options(parser, args)  # the storage goes beside the config, to make_h2o_cache
+    assert (options["kv_bits"], options["kv_group_size"]) == (8, 64)
+    assert common.policy_of(common.policy_at(args, 32), options).kv == Storage(8, 64)
 
 
 def test_a_bad_combination_is_an_argparse_error(capsys):

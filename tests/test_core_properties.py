@@ -8,6 +8,7 @@ from hypothesis import given, strategies as st
 from h2o_fn import (
     H2OConfig,
     Prompt,
+    Storage,
     absorb,
     accumulate,
     admit,
@@ -22,7 +23,7 @@ from h2o_fn import (
 from h2o_fn.rule import evict_lowest
 
 from helpers import chunk_weights, core_weights, kept, same, scores
-from strategies import configs, make_stream, prompts, shapes, streams
+from strategies import configs, make_stream, prompts, shapes, storages, streams
 
 
 def run_steps(cfg, keys, values=None, dtype=mx.float32):
@@ -61,7 +62,7 @@ def test_decay_one_is_a_plain_running_sum():
     total = mx.zeros((1, 1, cfg.budget + 1))
     for t in range(40):
         k = mx.array(keys[:, :, t : t + 1])
-        total = total + key_weights(state, k, cfg)[..., 0, :]
+        total = total + key_weights(state, k)[..., 0, :]
         state = step(state, k, k, cfg)
     assert mx.array_equal(state.scores, total)
 
@@ -81,15 +82,15 @@ def test_strong_decay_lets_a_late_token_outscore_an_early_one():
 @given(st.data())
 def test_greedy_absorb_equals_steps_without_eviction(data):
     """Below budget a greedy chunk is the N steps: same slots, rows and positions."""
-    cfg = data.draw(configs(scoring="key", prefill="greedy"))
-    shape = data.draw(shapes(max_d=16, config=cfg))
+    cfg, kv = data.draw(configs(scoring="key", prefill="greedy")), data.draw(storages())
+    shape = data.draw(shapes(max_d=16, kv=kv))
     stream = data.draw(streams(shape, max_len=cfg.budget, decay=cfg.decay))
     k, v = mx.array(stream.keys), mx.array(stream.values)
     T = k.shape[2]
-    stepped = init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32)
+    stepped = init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32, kv=kv)
     for t in range(T):
-        stepped = step(stepped, k[:, :, t : t + 1], v[:, :, t : t + 1], cfg)
-    chunked = absorb(init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32), k, v, cfg)
+        stepped = step(stepped, k[:, :, t : t + 1], v[:, :, t : t + 1], cfg, kv=kv)
+    chunked = absorb(init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32, kv=kv), k, v, cfg, kv=kv)
     for field in ("keys", "values", "positions", "length", "seen"):
         assert same(getattr(stepped, field), getattr(chunked, field)), field
     # scores: the same sums, reassociated (one weight pass vs T passes): float32 rounding only
@@ -101,28 +102,28 @@ def test_a_prompt_chunks_last_window_weights_are_enough(data):
     """Query scoring, oneshot: a chunk longer than the window absorbs the same from the
     weights of its last `scored_queries` queries as from all N (the others do not score):
     the same kept positions and rows, scores equal up to float32 reassociation."""
-    cfg = data.draw(configs(scoring="query", prefill="oneshot"))
+    cfg, kv = data.draw(configs(scoring="query", prefill="oneshot")), data.draw(storages())
     prompt = data.draw(prompts())._replace(window=data.draw(st.integers(1, 12)))
-    shape = data.draw(shapes(max_d=16, config=cfg))
+    shape = data.draw(shapes(max_d=16, kv=kv))
     stream = data.draw(streams(shape, min_len=prompt.window + 1, max_len=cfg.budget + 40, decay=cfg.decay))
     k, v = mx.array(stream.keys), mx.array(stream.values)
     prefix = data.draw(st.integers(0, k.shape[2] - prompt.window - 1))
-    state = init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32)
+    state = init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32, kv=kv)
     if prefix:
         w = core_weights(state, chunk_weights(stream, 0, prefix))
-        state = absorb(state, k[:, :, :prefix], v[:, :, :prefix], cfg, w, prompt=prompt)
+        state = absorb(state, k[:, :, :prefix], v[:, :, :prefix], cfg, w, prompt=prompt, kv=kv)
     N = k.shape[2] - prefix
     M = scored_queries(N, cfg, prompt=prompt)
     assert M == prompt.window < N
     w = core_weights(state, chunk_weights(stream, prefix, N))  # [B, H, N, C + N]
-    full = absorb(state, k[:, :, prefix:], v[:, :, prefix:], cfg, w, prompt=prompt)
-    last = absorb(state, k[:, :, prefix:], v[:, :, prefix:], cfg, w[:, :, N - M :], prompt=prompt)
+    full = absorb(state, k[:, :, prefix:], v[:, :, prefix:], cfg, w, prompt=prompt, kv=kv)
+    last = absorb(state, k[:, :, prefix:], v[:, :, prefix:], cfg, w[:, :, N - M :], prompt=prompt, kv=kv)
     assert kept(last) == kept(full)
     for field in ("keys", "values", "positions", "length", "seen"):
         assert same(getattr(last, field), getattr(full, field)), field
     np.testing.assert_allclose(np.array(last.scores), np.array(full.scores), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=f"expected \\(.*, {M} or {N},"):
-        absorb(state, k[:, :, prefix:], v[:, :, prefix:], cfg, w[:, :, N - M + 1 :], prompt=prompt)
+        absorb(state, k[:, :, prefix:], v[:, :, prefix:], cfg, w[:, :, N - M + 1 :], prompt=prompt, kv=kv)
 
 
 @given(st.data())
@@ -192,7 +193,7 @@ def test_query_decode_building_blocks_equal_absorb_of_one_token(prefill):
         k = mx.array(rng.standard_normal((1, 2, 1, 3)).astype(np.float32))
         by_position = rng.random((1, 2, 1, t + 1)).astype(np.float32)  # query t's weight on each position
         a = absorb(a, k, k, cfg, weights=core_weights(a, by_position))
-        admitted = admit(b, k, k, cfg)
+        admitted = admit(b, k, k)
         pos = np.array(admitted.positions)
         over_slots = np.where(pos >= 0, np.take_along_axis(by_position[:, :, 0], np.maximum(pos, 0), -1), 0)
         b = evict(accumulate(admitted, mx.array(over_slots), cfg), cfg)
@@ -228,13 +229,29 @@ def test_a_4000_token_absorb_below_budget_completes():
         (dict(scoring="value"), "scoring"),
         (dict(prefill="lazy"), "prefill"),
         (dict(budget=8.0), "budget"),
-        (dict(kv_bits=7), "kv_bits"),
-        (dict(kv_group_size=16), "kv_group_size"),
     ],
 )
 def test_bad_configs_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field.replace("+", r"\+")):
         H2OConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [(dict(bits=7), "bits"), (dict(bits=True), "bits"),
+                                           (dict(group_size=16), "group_size")])
+def test_bad_storages_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"Storage.{field}="):
+        Storage(**kwargs)
+
+
+def test_a_storage_the_state_was_not_built_with_is_refused():
+    """Rows written with another storage than `init`'s would be stored in the wrong form."""
+    cfg, tok = H2OConfig(budget=8, n_sink=1, grace=1), mx.zeros((1, 2, 1, 32))
+    with pytest.raises(ValueError, match="expected the storage it was built with"):
+        step(init(cfg, 1, 2, 32), tok, tok, cfg, kv=Storage(8, 32))
+    with pytest.raises(ValueError, match="its rows are quantized"):
+        absorb(init(cfg, 1, 2, 32, kv=Storage(8, 32)), tok, tok, cfg)
+    with pytest.raises(TypeError, match="expected an h2o_fn.Storage"):
+        admit(init(cfg, 1, 2, 32), tok, tok, cfg)  # the config where the storage goes
 
 
 @pytest.mark.parametrize("kwargs, field", [(dict(window=-1), "window"), (dict(window=2.0), "window"),

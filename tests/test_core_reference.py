@@ -17,12 +17,12 @@ from h2o_fn import core, prefill, rule, scoring
 from h2o_fn import reference as ref
 
 from helpers import assert_matches, chunk_weights, core_weights, dequantized
-from strategies import chunk_sizes, configs, draw_alive, prompts, shapes, streams
+from strategies import chunk_sizes, configs, draw_alive, prompts, shapes, storages, streams
 
 
-def as_stored(x: np.ndarray, cfg) -> np.ndarray:
-    """What the reference is fed: the rows the core stores (dequantized with kv_bits)."""
-    return x if cfg.kv_bits is None else dequantized(x, cfg)
+def as_stored(x: np.ndarray, kv) -> np.ndarray:
+    """What the reference is fed: the rows the core stores (dequantized when `kv.bits`)."""
+    return x if kv.bits is None else dequantized(x, kv)
 
 
 def padded_chunk(stream, starts, counts, n):
@@ -37,13 +37,15 @@ def padded_chunk(stream, starts, counts, n):
     return k, v
 
 
-def run_chunks(cfg, shape, stream, sizes, alive=None, check_every=True, room=1, prompt=h2o_fn.Prompt()):
+def run_chunks(cfg, shape, stream, sizes, alive=None, check_every=True, room=1, prompt=h2o_fn.Prompt(),
+               kv=h2o_fn.Storage()):
     """Absorb `stream` in chunks of `sizes` into core and reference; compare after each.
 
     `alive[c][b]`: how many of chunk c's tokens are real in row b (default: all);
-    `room`: the core's slots beyond the budget; `prompt`: how oneshot scores long chunks.
+    `room`: the core's slots beyond the budget; `prompt`: how oneshot scores long chunks;
+    `kv`: how the core stores rows.
     """
-    state = init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32, room=room)
+    state = init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32, room=room, kv=kv)
     rstate = ref.init(cfg, shape.B, shape.H, shape.D)
     starts = [0] * shape.B
     alive = alive or [[n] * shape.B for n in sizes]
@@ -53,64 +55,64 @@ def run_chunks(cfg, shape, stream, sizes, alive=None, check_every=True, room=1, 
         n_alive = mx.array(counts, dtype=mx.int32) if ragged else None
         pw = chunk_weights(stream, starts, n) if cfg.scoring == "query" else None
         cw = None if pw is None else core_weights(state, pw)
-        state = absorb(state, mx.array(k), mx.array(v), cfg, weights=cw, n_alive=n_alive, prompt=prompt)
-        rstate = ref.absorb(rstate, as_stored(k, cfg), as_stored(v, cfg), cfg, weights=pw,
+        state = absorb(state, mx.array(k), mx.array(v), cfg, weights=cw, n_alive=n_alive, prompt=prompt, kv=kv)
+        rstate = ref.absorb(rstate, as_stored(k, kv), as_stored(v, kv), cfg, weights=pw,
                             n_alive=None if n_alive is None else counts, prompt=prompt)
         starts = [s + c for s, c in zip(starts, counts)]
         if check_every:
             assert_invariants(state, cfg)
-            assert_matches(state, rstate, where=f"after {starts} tokens, {cfg}", config=cfg)
+            assert_matches(state, rstate, where=f"after {starts} tokens, {cfg}", kv=kv)
     return state, rstate
 
 
 @given(st.data())
 def test_step_matches_reference_every_token(data):
-    cfg = data.draw(configs(scoring="key", prefill="greedy"))
-    shape = data.draw(shapes(config=cfg))
+    cfg, kv = data.draw(configs(scoring="key", prefill="greedy")), data.draw(storages())
+    shape = data.draw(shapes(kv=kv))
     stream = data.draw(streams(shape, decay=cfg.decay))
-    state = init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32)
+    state = init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32, kv=kv)
     rstate = ref.init(cfg, shape.B, shape.H, shape.D)
     for t in range(stream.keys.shape[2]):
         k, v = stream.keys[:, :, t : t + 1], stream.values[:, :, t : t + 1]
-        state = step(state, mx.array(k), mx.array(v), cfg)
-        rstate = ref.step(rstate, as_stored(k, cfg), as_stored(v, cfg), cfg)
+        state = step(state, mx.array(k), mx.array(v), cfg, kv=kv)
+        rstate = ref.step(rstate, as_stored(k, kv), as_stored(v, kv), cfg)
         assert_invariants(state, cfg)
-        assert_matches(state, rstate, where=f"token {t}, {cfg}", config=cfg)
+        assert_matches(state, rstate, where=f"token {t}, {cfg}", kv=kv)
 
 
 @given(st.data())
 def test_absorb_matches_reference_every_chunk(data):
     """Both prefills, both scorings, quantized rows, chunks straddling the budget, and
     batch rows that drift apart (padding in the chunks)."""
-    cfg = data.draw(configs())
-    shape = data.draw(shapes(max_d=16, config=cfg))
+    cfg, kv = data.draw(configs()), data.draw(storages())
+    shape = data.draw(shapes(max_d=16, kv=kv))
     stream = data.draw(streams(shape, decay=cfg.decay))
     sizes = data.draw(chunk_sizes(stream.keys.shape[2]))
-    run_chunks(cfg, shape, stream, sizes, draw_alive(data, sizes, shape.B), prompt=data.draw(prompts()))
+    run_chunks(cfg, shape, stream, sizes, draw_alive(data, sizes, shape.B), prompt=data.draw(prompts()), kv=kv)
 
 
 @given(st.data())
 def test_query_single_tokens_match_reference(data):
     """scoring="query", one token per absorb: the decode path of true-query scoring."""
-    cfg = data.draw(configs(scoring="query", prefill="greedy"))
-    shape = data.draw(shapes(max_d=8, config=cfg))
+    cfg, kv = data.draw(configs(scoring="query", prefill="greedy")), data.draw(storages())
+    shape = data.draw(shapes(max_d=8, kv=kv))
     stream = data.draw(streams(shape, max_len=80, decay=cfg.decay))
     sizes = [1] * stream.keys.shape[2]
-    run_chunks(cfg, shape, stream, sizes, draw_alive(data, sizes, shape.B))
+    run_chunks(cfg, shape, stream, sizes, draw_alive(data, sizes, shape.B), kv=kv)
 
 
 # ---------------------------------------------------------------- the twin table
 
 
-def _prefix(data, cfg, max_len=None):
+def _prefix(data, cfg, kv, max_len=None):
     """A core state and its reference twin after a random prefix (possibly ragged rows)."""
-    shape = data.draw(shapes(max_b=2, max_h=2, max_d=8, config=cfg))
+    shape = data.draw(shapes(max_b=2, max_h=2, max_d=8, kv=kv))
     stream = data.draw(streams(shape, max_len=max_len or 2 * cfg.budget + 4, decay=cfg.decay))
     sizes = data.draw(chunk_sizes(stream.keys.shape[2]))
     alive = draw_alive(data, sizes, shape.B)
     room = data.draw(st.sampled_from([1, 1, 1, 3]))  # 3: the slots of three staged decode tokens
     state, rstate = run_chunks(cfg._replace(prefill="oneshot"), shape, stream, sizes, alive, False, room,
-                               data.draw(prompts()))
+                               data.draw(prompts()), kv)
     return shape, state, rstate
 
 
@@ -134,22 +136,22 @@ def _slot_weights(state, by_position):
     return mx.array(np.where(pos >= 0, got, 0).astype(np.float32))
 
 
-def twin_init(data, cfg):
-    shape = data.draw(shapes(config=cfg))
-    return (init(cfg, *shape, dtype=mx.float32), ref.init(cfg, *shape))
+def twin_init(data, cfg, kv):
+    shape = data.draw(shapes(kv=kv))
+    return (init(cfg, *shape, dtype=mx.float32, kv=kv), ref.init(cfg, *shape, kv=kv))
 
 
-def twin_admit(data, cfg):
-    shape, s, r = _prefix(data, cfg)
+def twin_admit(data, cfg, kv):
+    shape, s, r = _prefix(data, cfg, kv)
     k, v, _ = _token(data, shape)
     alive = _alive(data, shape.B)
     a = None if alive is None else mx.array(alive)
-    return (h2o_fn.admit(s, mx.array(k), mx.array(v), cfg, a),
-            ref.admit(r, as_stored(k, cfg), as_stored(v, cfg), cfg, alive))
+    return (h2o_fn.admit(s, mx.array(k), mx.array(v), kv, a),
+            ref.admit(r, as_stored(k, kv), as_stored(v, kv), kv, alive))
 
 
-def twin_accumulate(data, cfg):
-    shape, s, r = _prefix(data, cfg)
+def twin_accumulate(data, cfg, kv):
+    shape, s, r = _prefix(data, cfg, kv)
     _, _, w = _token(data, shape)
     alive = _alive(data, shape.B)
     a = None if alive is None else mx.array(alive)
@@ -157,36 +159,36 @@ def twin_accumulate(data, cfg):
             ref.accumulate(r, w[:, :, 0], cfg, alive))
 
 
-def twin_evict(data, cfg):
-    shape, s, r = _prefix(data, cfg)
+def twin_evict(data, cfg, kv):
+    shape, s, r = _prefix(data, cfg, kv)
     k, v, w = _token(data, shape)
-    s = h2o_fn.admit(s, mx.array(k), mx.array(v), cfg)
+    s = h2o_fn.admit(s, mx.array(k), mx.array(v), kv)
     s = h2o_fn.accumulate(s, _slot_weights(s, w[:, :, 0]), cfg)
-    r = ref.accumulate(ref.admit(r, as_stored(k, cfg), as_stored(v, cfg)), w[:, :, 0], cfg)
+    r = ref.accumulate(ref.admit(r, as_stored(k, kv), as_stored(v, kv)), w[:, :, 0], cfg)
     return h2o_fn.evict(s, cfg), ref.evict(r, cfg)
 
 
-def twin_settle(data, cfg):
-    shape, s, r = _prefix(data, cfg)
+def twin_settle(data, cfg, kv):
+    shape, s, r = _prefix(data, cfg, kv)
     k, v, w = _token(data, shape)
-    s = h2o_fn.admit(s, mx.array(k), mx.array(v), cfg)
-    r = ref.admit(r, as_stored(k, cfg), as_stored(v, cfg))
+    s = h2o_fn.admit(s, mx.array(k), mx.array(v), kv)
+    r = ref.admit(r, as_stored(k, kv), as_stored(v, kv))
     return h2o_fn.settle(s, _slot_weights(s, w[:, :, 0]), cfg), ref.settle(r, w[:, :, 0], cfg)
 
 
-def twin_step(data, cfg):
-    shape, s, r = _prefix(data, cfg)
+def twin_step(data, cfg, kv):
+    shape, s, r = _prefix(data, cfg, kv)
     k, v, w = _token(data, shape)
     alive = _alive(data, shape.B)
     a = None if alive is None else mx.array(alive)
     cw = None if cfg.scoring == "key" else core_weights(s, w)
     rw = None if cfg.scoring == "key" else w
-    return (step(s, mx.array(k), mx.array(v), cfg, cw, alive=a),
-            ref.step(r, as_stored(k, cfg), as_stored(v, cfg), cfg, rw, alive=alive))
+    return (step(s, mx.array(k), mx.array(v), cfg, cw, alive=a, kv=kv),
+            ref.step(r, as_stored(k, kv), as_stored(v, kv), cfg, rw, alive=alive, kv=kv))
 
 
-def twin_absorb(data, cfg):
-    shape, s, r = _prefix(data, cfg)
+def twin_absorb(data, cfg, kv):
+    shape, s, r = _prefix(data, cfg, kv)
     n = data.draw(st.integers(1, 2 * cfg.budget + 2))
     k, v, w = _token(data, shape, n)
     counts = draw_alive(data, [n], shape.B)[0]
@@ -195,12 +197,12 @@ def twin_absorb(data, cfg):
     rw = None if cfg.scoring == "key" else w
     prompt = data.draw(prompts())
     return (absorb(s, mx.array(k), mx.array(v), cfg, cw,
-                   n_alive=None if n_alive is None else mx.array(n_alive), prompt=prompt),
-            ref.absorb(r, as_stored(k, cfg), as_stored(v, cfg), cfg, rw, n_alive=n_alive, prompt=prompt))
+                   n_alive=None if n_alive is None else mx.array(n_alive), prompt=prompt, kv=kv),
+            ref.absorb(r, as_stored(k, kv), as_stored(v, kv), cfg, rw, n_alive=n_alive, prompt=prompt, kv=kv))
 
 
-def twin_absorb_scored(data, cfg):
-    shape, s, r = _prefix(data, cfg)
+def twin_absorb_scored(data, cfg, kv):
+    shape, s, r = _prefix(data, cfg, kv)
     n = data.draw(st.integers(1, 2 * cfg.budget + 2))
     k, v, w = _token(data, shape, n)
     by_position = w[:, :, 0]  # [B, H, P]: the given score of each row's token at position p
@@ -208,47 +210,47 @@ def twin_absorb_scored(data, cfg):
     chunk = np.take_along_axis(by_position, seen + np.arange(n), axis=-1)
     scores = mx.concatenate([_slot_weights(s, by_position), mx.array(chunk)], axis=-1)
     prompt = data.draw(prompts())
-    return (h2o_fn.absorb_scored(s, mx.array(k), mx.array(v), scores, cfg, prompt),
-            ref.absorb_scored(r, as_stored(k, cfg), as_stored(v, cfg), by_position, cfg, prompt))
+    return (h2o_fn.absorb_scored(s, mx.array(k), mx.array(v), scores, cfg, prompt, kv),
+            ref.absorb_scored(r, as_stored(k, kv), as_stored(v, kv), by_position, cfg, prompt, kv))
 
 
-def twin_absorb_staged(data, cfg):
-    shape, s, r = _prefix(data, cfg)
+def twin_absorb_staged(data, cfg, kv):
+    shape, s, r = _prefix(data, cfg, kv)
     n = data.draw(st.integers(1, h2o_fn.capacity(s) - cfg.budget))  # the free slots staging may fill
     k, v, w = _token(data, shape, n)
     before = s
     for i in range(n):
-        s = admit(s, mx.array(k[:, :, i : i + 1]), mx.array(v[:, :, i : i + 1]), cfg)
-        r = ref.admit(r, as_stored(k[:, :, i : i + 1], cfg), as_stored(v[:, :, i : i + 1], cfg), cfg)
+        s = admit(s, mx.array(k[:, :, i : i + 1]), mx.array(v[:, :, i : i + 1]), kv)
+        r = ref.admit(r, as_stored(k[:, :, i : i + 1], kv), as_stored(v[:, :, i : i + 1], kv), kv)
     cw = None if cfg.scoring == "key" else core_weights(before, w)
     prompt = data.draw(prompts())
-    return (prefill.absorb_staged(s, mx.array(k), mx.array(v), cfg, cw, prompt),
-            ref.absorb_staged(r, as_stored(k, cfg), as_stored(v, cfg), cfg, None if cfg.scoring == "key" else w,
-                              prompt))
+    return (prefill.absorb_staged(s, mx.array(k), mx.array(v), cfg, cw, prompt, kv),
+            ref.absorb_staged(r, as_stored(k, kv), as_stored(v, kv), cfg, None if cfg.scoring == "key" else w,
+                              prompt, kv))
 
 
-def twin_rewind(data, cfg):
+def twin_rewind(data, cfg, kv):
     big = cfg._replace(budget=64)  # rewinding is exact only before any eviction
-    shape, s, r = _prefix(data, big, max_len=big.budget)
+    shape, s, r = _prefix(data, big, kv, max_len=big.budget)
     n = data.draw(st.integers(0, min(s.seen.tolist())))
     return h2o_fn.rewind(s, n), ref.rewind(r, n), big
 
 
-def twin_kept_positions(data, cfg):
-    _, s, r = _prefix(data, cfg)
-    assert_matches(s, r, config=cfg)
+def twin_kept_positions(data, cfg, kv):
+    _, s, r = _prefix(data, cfg, kv)
+    assert_matches(s, r, kv=kv)
     got = [[[p for p in head if p >= 0] for head in row] for row in h2o_fn.kept_positions(s).tolist()]
     return got, ref.kept_positions(r)
 
 
-def twin_key_weights(data, cfg):
-    shape, s, r = _prefix(data, cfg)
+def twin_key_weights(data, cfg, kv):
+    shape, s, r = _prefix(data, cfg, kv)
     q, _, _ = _token(data, shape, data.draw(st.integers(1, 3)))
-    got = np.array(h2o_fn.key_weights(s, mx.array(q), cfg))  # [B, H, N, C] by slot
+    got = np.array(h2o_fn.key_weights(s, mx.array(q), kv))  # [B, H, N, C] by slot
     pos = s.positions.tolist()
     by_position = [[[{p: got[b, h, i, j] for j, p in enumerate(pos[b][h]) if p >= 0}
                      for i in range(q.shape[2])] for h in range(shape.H)] for b in range(shape.B)]
-    want = ref.key_weights(r, q, cfg)  # stored keys dequantized in both; queries as given
+    want = ref.key_weights(r, q, kv)  # stored keys dequantized in both; queries as given
     for b, row in enumerate(want):
         for h, head in enumerate(row):
             order = [t.position for t in r.heads[b][h]]
@@ -264,12 +266,12 @@ TWINS = {name[len("twin_"):]: fn for name, fn in globals().items() if name.start
 @settings(max_examples=40)
 @given(data=st.data())
 def test_core_function_equals_its_reference_twin(name, data):
-    cfg = data.draw(configs(max_budget=12))
-    got, want, cfg = (*TWINS[name](data, cfg), cfg)[:3]  # a twin may run under its own config
+    cfg, kv = data.draw(configs(max_budget=12)), data.draw(storages())
+    got, want, cfg = (*TWINS[name](data, cfg, kv), cfg)[:3]  # a twin may run under its own config
     if isinstance(got, h2o_fn.H2OState):
         if name != "admit":  # an admitted state may hold budget + 1 until it settles
             assert_invariants(got, cfg)
-        assert_matches(got, want, where=f"{name}, {cfg}", config=cfg)
+        assert_matches(got, want, where=f"{name}, {cfg}", kv=kv)
     else:
         assert got == want
 

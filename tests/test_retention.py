@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 
-from h2o_fn import H2OConfig, Prompt, absorb_scored, assert_invariants, init, kept_positions, step
+from h2o_fn import H2OConfig, Prompt, Storage, absorb_scored, assert_invariants, init, kept_positions, step
 from h2o_fn import reference as ref
 from h2o_fn import retention, view
 from h2o_fn.adapters.attention import remove_query_hook
@@ -83,7 +83,7 @@ def test_chunk_scores_then_absorb_scored_equal_the_reference(data):
                     grace=data.draw(st.integers(0, 2)))
     s, r, _ = _scored_states(data, cfg, Prompt(pool=data.draw(st.sampled_from([1, 3]))))
     assert_invariants(s, cfg)
-    assert_matches(s, r, where=str(cfg), config=cfg)
+    assert_matches(s, r, where=str(cfg), kv=Storage())
 
 
 @settings(max_examples=20)
@@ -190,7 +190,7 @@ def test_bad_input_raises_with_what_was_expected(llama):
 
 def test_a_compressed_prompt_cache_file_round_trips(tmp_path):
     llama = tiny_model("llama", hidden_size=128)  # head_dim 32: one quantization group
-    cache = make_h2o_cache(llama, H2OConfig(budget=12, n_sink=1, grace=2, kv_bits=8, kv_group_size=32))
+    cache = make_h2o_cache(llama, H2OConfig(budget=12, n_sink=1, grace=2), kv_bits=8, kv_group_size=32)
     cache_prompt(llama, PROMPT, cache, chunk_size=16)
     save_prompt_cache(str(tmp_path / "p.safetensors"), cache, {"model": "tiny"})
     loaded, meta = load_prompt_cache(str(tmp_path / "p.safetensors"), return_metadata=True)

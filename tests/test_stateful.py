@@ -13,20 +13,20 @@ from h2o_fn import absorb, accumulate, admit, check_invariants, evict, init, key
 from h2o_fn import reference as ref
 
 from helpers import assert_matches, core_weights, dequantized
-from strategies import MILD_DECAY, configs, prompts, shapes
+from strategies import MILD_DECAY, configs, prompts, shapes, storages
 
 
 class H2OMachine(RuleBasedStateMachine):
-    """One config per run; every rule is applied to the core and to the reference."""
+    """One config and storage per run; every rule is applied to the core and to the reference."""
 
-    @initialize(cfg=configs(max_budget=24), prompt=prompts(), data=st.data(), seed=st.integers(0, 2**31 - 1),
-                tied=st.booleans())
-    def setup(self, cfg, prompt, data, seed, tied):
-        self.cfg, self.prompt = cfg, prompt
-        self.shape = shape = data.draw(shapes(max_d=8, config=cfg))
+    @initialize(cfg=configs(max_budget=24), prompt=prompts(), kv=storages(), data=st.data(),
+                seed=st.integers(0, 2**31 - 1), tied=st.booleans())
+    def setup(self, cfg, prompt, kv, data, seed, tied):
+        self.cfg, self.prompt, self.kv = cfg, prompt, kv
+        self.shape = shape = data.draw(shapes(max_d=8, kv=kv))
         self.rng = np.random.default_rng(seed)
         self.tied = tied and cfg.decay >= MILD_DECAY  # see strategies.py on degenerate keys
-        self.state = init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32)
+        self.state = init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32, kv=kv)
         self.rstate = ref.init(cfg, shape.B, shape.H, shape.D)
 
     def tokens(self, n):
@@ -38,7 +38,7 @@ class H2OMachine(RuleBasedStateMachine):
         return k, self.rng.standard_normal((B, H, n, D)).astype(np.float32)
 
     def stored(self, x):
-        return x if self.cfg.kv_bits is None else dequantized(x, self.cfg)
+        return x if self.kv.bits is None else dequantized(x, self.kv)
 
     def alive(self, n):
         """Real tokens per row: all of them, or (B > 1) fewer in the other rows."""
@@ -53,7 +53,7 @@ class H2OMachine(RuleBasedStateMachine):
         k, v = self.tokens(1)
         alive = self.alive(1)
         a = None if alive is None else mx.array(alive, dtype=mx.bool_)
-        self.state = step(self.state, mx.array(k), mx.array(v), self.cfg, alive=a)
+        self.state = step(self.state, mx.array(k), mx.array(v), self.cfg, alive=a, kv=self.kv)
         self.rstate = ref.step(self.rstate, self.stored(k), self.stored(v), self.cfg, alive=alive)
 
     @rule(n=st.integers(1, 30), prefill=st.sampled_from(["greedy", "oneshot"]))
@@ -68,7 +68,7 @@ class H2OMachine(RuleBasedStateMachine):
             cw = core_weights(self.state, pw)
         n_alive = None if counts is None else mx.array(counts, dtype=mx.int32)
         self.state = absorb(self.state, mx.array(k), mx.array(v), cfg, weights=cw, n_alive=n_alive,
-                            prompt=self.prompt)
+                            prompt=self.prompt, kv=self.kv)
         self.rstate = ref.absorb(self.rstate, self.stored(k), self.stored(v), cfg, weights=pw, n_alive=counts,
                                  prompt=self.prompt)
 
@@ -77,8 +77,8 @@ class H2OMachine(RuleBasedStateMachine):
     def admit_accumulate_evict(self):
         """step's parts composed by hand, with evict applied twice (idempotent)."""
         k, v = self.tokens(1)
-        w = key_weights(self.state, mx.array(self.stored(k)), self.cfg)[..., 0, :]
-        s = accumulate(admit(self.state, mx.array(k), mx.array(v), self.cfg), w, self.cfg)
+        w = key_weights(self.state, mx.array(self.stored(k)), self.kv)[..., 0, :]
+        s = accumulate(admit(self.state, mx.array(k), mx.array(v), self.kv), w, self.cfg)
         self.state = evict(evict(s, self.cfg), self.cfg)
         self.rstate = ref.evict(ref.step(self.rstate, self.stored(k), self.stored(v), self.cfg), self.cfg)
 
@@ -86,7 +86,7 @@ class H2OMachine(RuleBasedStateMachine):
     def agrees_and_sound(self):
         if hasattr(self, "state"):
             assert check_invariants(self.state, self.cfg) == []
-            assert_matches(self.state, self.rstate, where=str(self.cfg), config=self.cfg)
+            assert_matches(self.state, self.rstate, where=f"{self.cfg}, {self.kv}", kv=self.kv)
 
 
 TestH2OMachine = H2OMachine.TestCase

@@ -84,8 +84,8 @@ def _core_call(fn, state):
     return go
 
 
-def _adapter_at(cfg, context, tok) -> H2OKVCache:
-    adapter = H2OKVCache(cfg)
+def _adapter_at(cfg, context, tok, kv_bits: Optional[int] = None) -> H2OKVCache:
+    adapter = H2OKVCache(cfg, kv_bits=kv_bits)
     adapter.update_and_fetch(context, context)
     adapter.update_and_fetch(tok, tok)
     mx.eval(adapter.core_state)
@@ -113,8 +113,8 @@ def _update_timings(cfg, budget: int, kv_bits: Optional[int], H: int, D: int, re
         "H2OKVCache.update_and_fetch": timed(_cache_call(adapter, tok), repeats),
     }
     if kv_bits:
-        qcfg = cfg._replace(kv_bits=kv_bits)
-        qadapter, qfast = _adapter_at(qcfg, context, tok), compiled_step(qcfg)
+        qadapter = _adapter_at(cfg, context, tok, kv_bits)
+        qfast = compiled_step(cfg, kv=qadapter.policy.kv)
         timings[f"H2O step (compiled, {kv_bits}-bit)"] = timed(
             _core_call(lambda s: qfast(s, tok, tok), qadapter.core_state), repeats)
         timings[f"H2OKVCache.update_and_fetch ({kv_bits}-bit)"] = timed(_cache_call(qadapter, tok), repeats)
@@ -152,8 +152,8 @@ def bench_profile(configs, layers=30, repeats=60) -> list:
         mx.eval(start, tok)
         parts = {
             "call + eval only": lambda s: s._replace(seen=s.seen + 1),
-            "admit (write the row)": lambda s: admit(s, tok, tok, cfg),
-            "proxy weights": lambda s: s._replace(scores=key_weights(s, tok, cfg)[..., 0, :]),
+            "admit (write the row)": lambda s: admit(s, tok, tok),
+            "proxy weights": lambda s: s._replace(scores=key_weights(s, tok)[..., 0, :]),
             "protected argmin": lambda s: s._replace(
                 positions=s.positions
                 + protected_argmin(s.scores, s.positions, s.seen, cfg.n_sink, cfg.grace)[..., None]
@@ -191,7 +191,7 @@ def _staged_rows(cfg, ctx, budget: int, layers: int, repeats: int, k: int = 8) -
 
     def admitted(s):
         for i in range(k):
-            s = admit(s, tok8[:, :, i : i + 1], tok8[:, :, i : i + 1], cfg)
+            s = admit(s, tok8[:, :, i : i + 1], tok8[:, :, i : i + 1])
         return s
 
     parts = {
@@ -256,7 +256,7 @@ def caches_at(model, policy, budget: int, kv_bits: Optional[int], group_size: in
 
     `policy(budget, **changes)` gives the H2O config; the rotating baseline keeps as many
     first tokens as its n_sink."""
-    key, query = policy(budget, scoring="key", kv_bits=None), policy(budget, scoring="query", kv_bits=None)
+    key, query = policy(budget, scoring="key"), policy(budget, scoring="query")
     rotating = Baseline("rotating", budget=budget, keep=key.n_sink)
     out = {
         "full KVCache": lambda: baselines.build(model, Baseline("full")),
@@ -271,9 +271,9 @@ def caches_at(model, policy, budget: int, kv_bits: Optional[int], group_size: in
         quantized = Baseline("quantized", bits=kv_bits, group_size=group_size)
         out[quantized.name] = lambda: baselines.build(model, quantized)
         out[f"H2O key ({budget}, {kv_bits}-bit)"] = lambda: h2o_cache(
-            model, key._replace(kv_bits=kv_bits))
+            model, key, kv_bits=kv_bits, kv_group_size=group_size)
         out[f"H2O query ({budget}, {kv_bits}-bit)"] = lambda: h2o_cache(
-            model, query._replace(kv_bits=kv_bits))
+            model, query, kv_bits=kv_bits, kv_group_size=group_size)
     return out
 
 
@@ -303,22 +303,22 @@ def bench_decode(model, tokens, contexts, caches: dict, steps, chunk, rounds: in
     return rows
 
 
-def bench_prefill(model, tokens, policy, budget, kv_bits, chunk, repeats) -> list:
+def bench_prefill(model, tokens, policy, budget, kv_bits, group_size, chunk, repeats) -> list:
     rows = []
     variants = {
         "full KVCache": lambda: baselines.build(model, Baseline("full")),
         f"H2O key greedy ({budget})": lambda: h2o_cache(
-            model, policy(budget, scoring="key", prefill="greedy", kv_bits=None)),
+            model, policy(budget, scoring="key", prefill="greedy")),
         f"H2O key oneshot ({budget})": lambda: h2o_cache(
-            model, policy(budget, scoring="key", prefill="oneshot", kv_bits=None)),
+            model, policy(budget, scoring="key", prefill="oneshot")),
         f"H2O query oneshot ({budget})": lambda: h2o_cache(
-            model, policy(budget, scoring="query", prefill="oneshot", kv_bits=None)),
+            model, policy(budget, scoring="query", prefill="oneshot")),
     }
     if kv_bits:
         for scoring in ("key", "query"):
             variants[f"H2O {scoring} oneshot ({budget}, {kv_bits}-bit)"] = (
-                lambda s=scoring: h2o_cache(model, policy(budget, scoring=s, prefill="oneshot",
-                                                               kv_bits=kv_bits)))
+                lambda s=scoring: h2o_cache(model, policy(budget, scoring=s, prefill="oneshot"),
+                                            kv_bits=kv_bits, kv_group_size=group_size))
     for name, make in variants.items():
         runs = []
         for _ in range(repeats):
@@ -434,7 +434,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.kv_bits and "update" in args.what and 64 % args.kv_group_size:
         parser.error(f"--kv-group-size {args.kv_group_size} does not divide the update section's head_dim 64")
     policy = lambda budget, **changes: common.policy_or_error(parser, args, budget, **changes)
-    keyed = lambda budgets: {b: policy(b, scoring="key", kv_bits=None) for b in budgets}
+    keyed = lambda budgets: {b: policy(b, scoring="key") for b in budgets}
     for budget in {*args.budgets, *args.profile_budgets, args.budget}:
         policy(budget)  # a bad combination fails before any work
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -463,7 +463,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                 }
             if "prefill" in args.what:
                 results["prefill"] = bench_prefill(model, tokens[: args.prefill_tokens], policy, args.budget,
-                                                   args.kv_bits, args.prefill_chunk, 1)
+                                                   args.kv_bits, args.kv_group_size, args.prefill_chunk, 1)
     (out / "bench.json").write_text(json.dumps(results, indent=1))
     (out / "bench.md").write_text(markdown(results))
     print("\n" + markdown(results))

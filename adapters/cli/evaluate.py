@@ -150,8 +150,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     for budget in {b for w in args.what for b in budgets.get(w, ())}:
         common.policy_or_error(parser, args, budget)  # a bad combination fails before any work
     for budget in args.frontier_budgets if "frontier" in args.what else ():
-        for bits in args.frontier_bits:
-            common.policy_or_error(parser, args, budget, kv_bits=bits)
+        common.policy_or_error(parser, args, budget)
+    for bits in args.frontier_bits if "frontier" in args.what else ():
+        common.storage_or_error(parser, bits, args.kv_group_size)
     argv = list(sys.argv[1:] if argv is None else argv)
     out, header = common.start_run("eval", argv, args)
     previous = out / "eval.json"  # sections from earlier runs stay unless this run redoes them

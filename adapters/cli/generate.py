@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from h2o_fn import Policy, kept_positions
+from h2o_fn import kept_positions
 
 from ..attention import query_scoring
 from ..metrics import build_prompt, first_divergence, held_tokens, repeated_4grams
@@ -264,9 +264,9 @@ def _budget_for_run(args, n_prompt: int) -> Optional[str]:
             "time (give --budget to choose your own)")
 
 
-def _header(args, config, group, chosen: Optional[str]) -> None:
+def _header(args, policy, group, chosen: Optional[str]) -> None:
     print(f"h2o-fn generate: {common.model_name(args.model)}")
-    print(f"H2O policy: {config}")
+    print(f"H2O policy: {policy.config}" + (f", rows {policy.kv}" if policy.kv.bits else ""))
     if group.size() > 1:
         print(f"tensor parallel: {group.size()} ranks over mx.distributed; each evicts its own KV heads, "
               "and KV bytes below are rank 0's share")
@@ -277,7 +277,7 @@ def _header(args, config, group, chosen: Optional[str]) -> None:
 
 def _run_h2o(parser, args, model, tokenizer, ids, config, options: dict) -> dict:
     """Generate with H2O (inside `query_scoring(model)`); report it and the kept map."""
-    bits = f", {config.kv_bits}-bit" if config.kv_bits else ""
+    bits = f", {options['kv_bits']}-bit" if options["kv_bits"] else ""
     label = f"H2O {config.scoring} (budget {config.budget}{bits})"
     budgets = allocation.budgets_for(model, args.allocation, config, tokenizer)
     if budgets is not None:
@@ -302,11 +302,11 @@ def _run_h2o(parser, args, model, tokenizer, ids, config, options: dict) -> dict
     return h2o
 
 
-def _baselines(args, model, tokenizer, ids, config) -> List[dict]:
+def _baselines(args, model, tokenizer, ids, config, options: dict) -> List[dict]:
     """The same prompt with mlx-lm's full and rotating caches (and quantized with --kv-bits)."""
     others = [Baseline("full"), Baseline("rotating", budget=config.budget, keep=config.n_sink)]
-    if config.kv_bits:
-        others.append(Baseline("quantized", bits=config.kv_bits, group_size=config.kv_group_size))
+    if options["kv_bits"]:
+        others.append(Baseline("quantized", bits=options["kv_bits"], group_size=options["kv_group_size"]))
     rows = []
     for spec in others:
         r = run_one(model, tokenizer, ids, baselines.build(model, spec), args, spec.name, echo=False)
@@ -341,16 +341,17 @@ def main(argv: Optional[List[str]] = None) -> None:
     ids = build_prompt(tokenizer, prompt, not args.ignore_chat_template, args.system_prompt)
     chosen = _budget_for_run(args, len(ids))
     config = common.policy_or_error(parser, args, args.budget)
-    _header(args, config, group, chosen)
     options = common.cache_options(parser, args)
-    run = dict(model=args.model, policy=Policy(config, prompt=options["prompt"]).fields(),
+    policy = common.policy_of(config, options)
+    _header(args, policy, group, chosen)
+    run = dict(model=args.model, policy=policy.fields(),
                evict_every=options["evict_every"], budget=config.budget, budget_chosen=chosen is not None,
                max_tokens=args.max_tokens)
     with query_scoring(model):  # the hook lives for this command only (make_h2o_cache uses it)
         h2o = _run_h2o(parser, args, model, tokenizer, ids, config, options)
         if not args.compare:
             return write_json(args.json, results([h2o], None, **run))
-        rows = [h2o] + _baselines(args, model, tokenizer, ids, config)
+        rows = [h2o] + _baselines(args, model, tokenizer, ids, config, options)
     print("\n" + "=" * 10)
     print(f"Summary: {len(ids)} prompt + up to {args.max_tokens} generated tokens"
           + (f"; budget {config.budget} chosen for this demonstration" if chosen else ""))

@@ -70,10 +70,10 @@ import mlx.core as mx
 from mlx_lm import server as mlx_server
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from h2o_fn import H2OConfig, Policy
+from h2o_fn import H2OConfig
 
 from .. import allocation
-from ..mlx_lm import h2o_caches, prompt_for, use_h2o
+from ..mlx_lm import h2o_caches, use_h2o
 from ..retention import cache_prompt, repeat_prefix
 from . import common, serve_compat, serve_requests
 
@@ -168,10 +168,10 @@ class H2OModelProvider(serve_compat.FixedModelProvider):
         super().__init__(cli_args)
         self.config = config
         self.allocation = allocation_policy
-        self.options = dict(options or {})  # use_h2o's prompt and evict_every (common.cache_options)
+        self.options = dict(options or {})  # use_h2o's prompt, evict_every, storage (common.cache_options)
 
-    policy = property(lambda self: Policy(self.config, prompt=prompt_for(self.config, self.options.get("prompt"))),
-                      doc="The config and how the caches score a prompt chunk, as one value.")
+    policy = property(lambda self: common.policy_of(self.config, self.options),
+                      doc="The config, how the caches score a prompt chunk and store rows, as one value.")
 
     def load_model(self, model_path: str):
         model, tokenizer = common.load_model(model_path, getattr(self.cli_args, "dequantize", False))

@@ -21,8 +21,8 @@ def specs(run: Run) -> List[dict]:
     for scoring in ("key", "query"):
         for bits in args.frontier_bits:
             for budget in args.frontier_budgets:
-                cfg = run.policy(budget, scoring=scoring, kv_bits=bits, kv_group_size=group)
-                name = h2o_name(scoring, cfg)
+                cfg = run.policy(budget, scoring=scoring)
+                name = h2o_name(scoring, bits=bits)
                 specs.append({"name": name, "family": name, "budget": budget, "bits": bits,
                               "group_size": group, "config": cfg})
     return specs

@@ -2,7 +2,7 @@
 compared (specs: a name, a family, a budget and the H2O config where there is one) and
 how to build one."""
 
-from typing import List
+from typing import List, Optional
 
 from h2o_fn import H2OConfig
 
@@ -30,7 +30,7 @@ class Run:
     def __init__(self, model, tokenizer, args, parser, command: str):
         self.model, self.tokenizer, self.args, self.parser = model, tokenizer, args, parser
         self.command = command
-        self.options = common.cache_options(parser, args)  # every H2O cache's prompt and evict_every
+        self.options = common.cache_options(parser, args)  # every H2O cache's prompt, evict_every, storage
         self._tokens = None
 
     def tokens(self) -> List[int]:
@@ -47,8 +47,8 @@ class Run:
                                    config, h2o_layer_count(self.model))
 
 
-def h2o_name(scoring: str, cfg: H2OConfig, extra: str = "") -> str:
-    return f"H2O {scoring}{extra}" + (f" {cfg.kv_bits}-bit" if cfg.kv_bits else "")
+def h2o_name(scoring: str, extra: str = "", bits: Optional[int] = None) -> str:
+    return f"H2O {scoring}{extra}" + (f" {bits}-bit" if bits else "")
 
 
 def cache_specs(run: Run, budgets: List[int], ablations: bool, prefills=("oneshot",),
@@ -63,7 +63,7 @@ def cache_specs(run: Run, budgets: List[int], ablations: bool, prefills=("onesho
             for prefill in prefills:
                 cfg = run.policy(b, scoring=scoring, prefill=prefill)
                 extra = f" {prefill}" if len(prefills) > 1 else ""
-                specs.append({"name": h2o_name(scoring, cfg, extra), "family": f"h2o-{scoring}", "budget": b,
+                specs.append({"name": h2o_name(scoring, extra, run.options["kv_bits"]), "family": f"h2o-{scoring}", "budget": b,
                               "config": cfg})
         for policy in allocations:  # per-layer budgets at the same bytes (true query, oneshot)
             cfg = run.policy(b, scoring="query", prefill="oneshot")
@@ -91,11 +91,14 @@ BASELINE_FAMILIES = {"full": "full", "full KVCache": "full", "rotating": "rotati
 
 def build_cache(model, spec: dict, options: dict) -> list:
     """The cache list of `spec`: a baseline, or H2O with the spec's config and the run's
-    `options` (`common.cache_options`: prompt, evict_every)."""
+    `options` (`common.cache_options`: prompt, evict_every, kv_bits and kv_group_size, the
+    last two the spec's own where it has "bits")."""
     family = BASELINE_FAMILIES.get(spec["family"])
     if family is not None:
         return baselines.build(model, Baseline(family, budget=spec.get("budget"), keep=spec.get("keep", 0),
                                                bits=spec.get("bits"), group_size=spec.get("group_size", 64)))
+    if "bits" in spec:
+        options = {**options, "kv_bits": spec["bits"], "kv_group_size": spec.get("group_size", 64)}
     return make_h2o_cache(model, spec["config"], budgets=spec.get("budgets"), **options)
 
 
