@@ -2,12 +2,13 @@
 
 Usage:
     python bench/kept_sets.py dump OUT.npz [--tokens 300] [--prompt 40] [--budget 64] [--window 0 --pool 1]
+        [--kv-bits 8]
     python bench/kept_sets.py compare A.npz B.npz
 
 `dump` feeds `--tokens` tokens of pydoc_data.topics through the bundled model (weights
 dequantized) with H2O caches, `--prompt` of them as one chunk (scored with SnapKV's
 `--window` and `--pool` when it is longer than the window) and the rest one decode token at a time,
-for key and query scoring with evict_every 1 and 8, then saves every layer's kept
+with rows stored in `--kv-bits` (groups of 64) when given, for key and query scoring with evict_every 1 and 8, then saves every layer's kept
 positions and scores (sorted by position) and each step's logits. Run it with two
 checkouts' interpreters (e.g. `git worktree add /tmp/old <commit>`), then `compare`
 prints per configuration whether the kept positions are identical and the largest score
@@ -22,10 +23,10 @@ import numpy as np
 CONFIGS = [(scoring, k) for scoring in ("key", "query") for k in (1, 8)]
 
 
-def h2o_cache(model, budget: int, scoring: str, k: int, window: int, pool: int) -> list:
+def h2o_cache(model, budget: int, scoring: str, k: int, window: int, pool: int, kv_bits=None) -> list:
     """The H2O cache list of one configuration, with whichever API the checkout has:
-    evict_every and the prompt scoring (window, pool) were H2OConfig fields before
-    94b7e27 and d30f813."""
+    evict_every, the prompt scoring (window, pool) and the row storage (kv_bits) were
+    H2OConfig fields before 94b7e27, d30f813 and the Storage split."""
     from h2o_fn import H2OConfig
     from h2o_fn.adapters.mlx_lm import make_h2o_cache
 
@@ -40,10 +41,13 @@ def h2o_cache(model, budget: int, scoring: str, k: int, window: int, pool: int) 
         from h2o_fn import Prompt
 
         options["prompt"] = Prompt(window, pool)
+    if kv_bits is not None:
+        (fields if "kv_bits" in H2OConfig._fields else options)["kv_bits"] = kv_bits
     return make_h2o_cache(model, H2OConfig(**fields), **options)
 
 
-def dump(out: str, tokens: int, budget: int, prompt: int = 40, window: int = 0, pool: int = 1) -> None:
+def dump(out: str, tokens: int, budget: int, prompt: int = 40, window: int = 0, pool: int = 1,
+         kv_bits=None) -> None:
     import mlx.core as mx
 
     from h2o_fn.adapters.gguf import load_gguf
@@ -53,7 +57,7 @@ def dump(out: str, tokens: int, budget: int, prompt: int = 40, window: int = 0, 
     model, tokenizer = load_gguf(dequantize=True)
     ids, saved = corpus_tokens(tokenizer, tokens, None), {}
     for scoring, k in CONFIGS:
-        cache = h2o_cache(model, budget, scoring, k, window, pool)
+        cache = h2o_cache(model, budget, scoring, k, window, pool, kv_bits)
         model(mx.array([ids[:prompt]]), cache=cache)
         logits = []
         for t in ids[prompt:]:
@@ -95,12 +99,13 @@ def main(argv=None) -> None:
     d.add_argument("--window", type=int, default=0,
                    help="prompt scoring: a chunk longer than this scores by its last WINDOW queries (default 0)")
     d.add_argument("--pool", type=int, default=1, help="prompt scoring: spans kept together (default 1)")
+    d.add_argument("--kv-bits", type=int, default=None, help="store the kept rows in this many bits (default: dense)")
     c = sub.add_parser("compare", help="compare two dumps")
     c.add_argument("a")
     c.add_argument("b")
     args = parser.parse_args(argv)
     if args.what == "dump":
-        dump(args.out, args.tokens, args.budget, args.prompt, args.window, args.pool)
+        dump(args.out, args.tokens, args.budget, args.prompt, args.window, args.pool, args.kv_bits)
     else:
         compare(args.a, args.b)
 
