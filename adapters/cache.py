@@ -104,7 +104,7 @@ class H2OKVCache(_BaseCache):
         return self._s.seen[0] if self._s.seen else 0
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """Store `[B, H, N, D]`; return the view `[B, H, rows + N, D]` (`cache_state.update`)."""
+        """Store `[B, H, N, D]`; return the view `[B, H, span + N - 1, D]` (`cache_state.update`)."""
         self._s, self._view = cache_state.update(self._s, self.policy, keys, values)
         return self._view
 
@@ -210,7 +210,7 @@ class H2OKVCache(_BaseCache):
     def attention_mask(self, N: int, mask):
         """The mask this layer needs: mlx-lm builds one per forward pass from layer 0's
         cache; a layer that keeps a different number of rows (per-layer budgets) gets its own."""
-        if isinstance(mask, mx.array) and mask.shape[-1] != self._s.rows + N - 1:
+        if isinstance(mask, mx.array) and mask.shape[-1] != self._s.span + N - 1:
             return self.make_mask(N, return_array=True)
         return mask
 
@@ -239,11 +239,11 @@ class H2OKVCache(_BaseCache):
         if s.core is not None:
             self._s = s._replace(core=view.compact(s.core))
 
-    def absorb_scored(self, keys: mx.array, values: mx.array, scores: mx.array, rows: int) -> None:
-        """A chunk `[B, H, N, D]` evicted by a prompt-scoring pass's `scores` `[B, H, rows + N]`
+    def absorb_scored(self, keys: mx.array, values: mx.array, scores: mx.array, span: int) -> None:
+        """A chunk `[B, H, N, D]` evicted by a prompt-scoring pass's `scores` `[B, H, span + N]`
         (`cache_prompt`; `cache_state.absorb_scored`)."""
         self._s = cache_state.absorb_scored(self.settled("absorb a scored chunk"), self.policy, keys, values,
-                                            scores, rows)
+                                            scores, span)
         self._view = None
 
     tokens_kept = property(lambda self: max(self._s.lengths, default=0), doc="Tokens kept (the longest row).")
@@ -334,28 +334,28 @@ class BatchH2OKVCache(H2OKVCache):
         self._s = self._s._replace(to_come=None)
 
     def filter(self, batch_indices):
-        """Keep only the rows `batch_indices` (in that order); staged decode tokens stay staged."""
+        """Keep only the batch rows `batch_indices` (in that order); staged decode tokens stay staged."""
         cache_state.require_settled(self._s, "filter")
-        self._s = cache_state.take_rows(self._s, [int(i) for i in batch_indices])
+        self._s = cache_state.take_batch(self._s, [int(i) for i in batch_indices])
         self._view = None
 
     def extend(self, other: "BatchH2OKVCache"):
-        """Append the rows of `other` (same config)."""
+        """Append the batch rows of `other` (same policy)."""
         if (other.policy, other.evict_every) != (self.policy, self.evict_every):
             raise ValueError(f"cannot extend a batch of {self.policy} (evict_every {self.evict_every}) with one "
                              f"of {other.policy} (evict_every {other.evict_every})")
-        rows = [r.settled("extend") for c in (self, other) for r in c.rows()]
-        self._s = cache_state.stack(rows, self.policy)._replace(followed=self._s.followed)
+        states = [r.settled("extend") for c in (self, other) for r in c.unbatched()]
+        self._s = cache_state.stack(states, self.policy)._replace(followed=self._s.followed)
         self._view = None
 
     def extract(self, idx: int) -> H2OKVCache:
         """Row `idx` as a single-prompt cache (its staged decode tokens stay staged)."""
         cache_state.require_settled(self._s, "extract")
-        row = cache_state.take_rows(self._s, [idx])
+        row = cache_state.take_batch(self._s, [idx])
         state = CacheState(every=self.evict_every) if self._s.core is None else row._replace(to_come=None)
         return _of(H2OKVCache, self.policy, state)
 
-    def rows(self) -> List[H2OKVCache]:
+    def unbatched(self) -> List[H2OKVCache]:
         """Every row as a single-prompt cache."""
         n = len(self._s.seen) if self._s.core is not None else self._s.waiting
         return [self.extract(i) for i in range(n)]

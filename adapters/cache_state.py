@@ -39,7 +39,7 @@ class Pending(NamedTuple):
     state: H2OState  # decode: the state with the token admitted; chunk: the state before it
     keys: Optional[mx.array]  # [B, H, N, Dk] chunk tokens (None for one decode token)
     values: Optional[mx.array]  # [B, H, N, Dv]
-    rows: int  # slots in the view (the weights cover rows + N - 1 columns)
+    span: int  # slots in the view (the weights cover span + N - 1 columns)
     alive: Optional[mx.array]  # decode: [B] bool; chunk: [B] int32 real tokens; None: all
     staged: bool = False  # decode: a staged token (every > 1), weights kept for the chunk
 
@@ -50,7 +50,7 @@ class Step(NamedTuple):
     positions: mx.array  # [B, H, C] the slot layout the view was built on
     seen: List[int]  # per row, tokens before the update
     counts: List[int]  # per row, real tokens in the update
-    rows: int  # slots in the view
+    span: int  # slots in the view
 
 
 class CacheState(NamedTuple):
@@ -63,8 +63,8 @@ class CacheState(NamedTuple):
     pending: Optional[Pending] = None
     staged: staging.Staged = staging.Staged()
     to_come: Optional[Tuple[int, ...]] = None  # batch prompt: real tokens still to come per row
-    waiting: int = 0  # rows of a batch merged from caches that were all empty
-    rows: int = 0  # slots in the last view
+    waiting: int = 0  # batch rows of a batch merged from caches that were all empty
+    span: int = 0  # slots in the last view
     followed: bool = False  # record `last` at each update (a lockstep leader)
     last: Optional[Step] = None  # what the last update started from (when followed)
     every: int = 1  # decode tokens judged at a time (`staging`); the core holds budget + every slots
@@ -77,7 +77,7 @@ def slots(s: CacheState, config: H2OConfig) -> int:
 
 def update(s: CacheState, policy: Policy, keys: mx.array, values: mx.array):
     """Store `keys`/`values` `[B, H, N, D]`: (the new state, the view `[B, H, L, D]` for
-    attention, L = view rows + N)."""
+    attention, L = view span + N)."""
     if s.pending is not None:
         raise RuntimeError(
             "an H2O cache (scoring='query') got new tokens before the attention weights of the "
@@ -88,52 +88,52 @@ def update(s: CacheState, policy: Policy, keys: mx.array, values: mx.array):
     check(s, policy.kv, keys, values)
     B, H, N, _ = keys.shape
     if s.waiting and B != s.waiting:
-        raise ValueError(f"keys shape {tuple(keys.shape)} is invalid: this batch has {s.waiting} rows")
+        raise ValueError(f"keys shape {tuple(keys.shape)} is invalid: this batch has {s.waiting} batch rows")
     real = real_tokens(s, N)
     alive = None if real is None else mx.array(real, dtype=mx.int32)
     s = _started(s, policy, keys, values)._replace(
         waiting=0, to_come=None if s.to_come is None else tuple(r - N for r in s.to_come))
     if N > 1:  # a chunk after staged decode tokens: score those first
         s = flush(s, policy)
-    before, rows = s, view.rows_for(s.lengths, slots(s, cfg))
+    before, span = s, view.span_for(s.lengths, slots(s, cfg))
     if N == 1 and s.every > 1 and alive is None:
-        s, out = _stage(s, policy, keys, values, rows)
+        s, out = _stage(s, policy, keys, values, span)
     elif N == 1:
-        s, out = _decode(s, policy, keys, values, rows, None if alive is None else alive.astype(mx.bool_))
+        s, out = _decode(s, policy, keys, values, span, None if alive is None else alive.astype(mx.bool_))
     else:
-        s, out = _chunk(s, policy, keys, values, rows, alive)
+        s, out = _chunk(s, policy, keys, values, span, alive)
     counts = real or [N] * B
     held = cfg.budget + len(s.staged.keys)
-    last = Step(before.core.positions, list(before.seen), counts, rows) if s.followed else None
-    return s._replace(seen=tuple(a + n for a, n in zip(s.seen, counts)), rows=rows, last=last,
+    last = Step(before.core.positions, list(before.seen), counts, span) if s.followed else None
+    return s._replace(seen=tuple(a + n for a, n in zip(s.seen, counts)), span=span, last=last,
                       lengths=tuple(min(k + n, held) for k, n in zip(s.lengths, counts))), out
 
 
-def _decode(s, policy, keys, values, rows, alive):
+def _decode(s, policy, keys, values, span, alive):
     if policy.config.scoring == "key":
         state = policy.step(s.core, keys, values, None, alive)
-        return s._replace(core=state), view.view(state, rows)
+        return s._replace(core=state), view.view(state, span)
     admitted = policy.admit(s.core, keys, values, alive)  # the view reads the written row
-    return s._replace(pending=Pending(admitted, None, None, rows, alive)), view.view(admitted, rows)
+    return s._replace(pending=Pending(admitted, None, None, span, alive)), view.view(admitted, span)
 
 
-def _chunk(s, policy, keys, values, rows, alive):
-    out = view.chunk_view(s.core, keys, values, rows, policy.kv)
+def _chunk(s, policy, keys, values, span, alive):
+    out = view.chunk_view(s.core, keys, values, span, policy.kv)
     if policy.config.scoring == "query":
-        return s._replace(pending=Pending(s.core, keys, values, rows, alive)), out
+        return s._replace(pending=Pending(s.core, keys, values, span, alive)), out
     state = policy.absorb(s.core, keys, values, None, alive)
     mx.eval(state)  # as in receive: one layer's chunk at a time
     return s._replace(core=state), out
 
 
-def _stage(s, policy, keys, values, rows):
+def _stage(s, policy, keys, values, span):
     """every = k > 1: admit a decode token unscored (`staging`)."""
     admitted = policy.admit(s.core, keys, values)
     s = s._replace(staged=staging.stage(s.staged, keys, values, s.seen))
     if policy.config.scoring == "query":
-        return s._replace(pending=Pending(admitted, None, None, rows, None, staged=True)), view.view(admitted, rows)
+        return s._replace(pending=Pending(admitted, None, None, span, None, staged=True)), view.view(admitted, span)
     s = s._replace(core=admitted)
-    return (flush(s, policy) if staging.full(s.staged, s.every) else s), view.view(admitted, rows)
+    return (flush(s, policy) if staging.full(s.staged, s.every) else s), view.view(admitted, span)
 
 
 def scored_queries(s: CacheState, policy: Policy, N: int) -> int:
@@ -152,15 +152,15 @@ def kv_heads(s: CacheState) -> int:
 
 def can_take(s: CacheState, keys) -> bool:
     """Whether attention over `keys` (an array or a store) gives the awaited weights: the
-    rows last returned, on the state's KV heads (or any heads, when it holds one latent head)."""
+    view last returned, on the state's KV heads (or any heads, when it holds one latent head)."""
     k = storage.parts(keys)[0] if isinstance(keys, (tuple, list)) else keys
     p, H = s.pending, kv_heads(s)
-    L = p.rows + (0 if p.keys is None else p.keys.shape[2] - 1)
+    L = p.span + (0 if p.keys is None else p.keys.shape[2] - 1)
     return k.shape[2] == L and (k.shape[1] == H or H == 1)
 
 
 def receive(s: CacheState, policy: Policy, weights: mx.array) -> CacheState:
-    """The awaited attention weights `[B, H, M, L]` (GQA-reduced) over the rows last
+    """The awaited attention weights `[B, H, M, L]` (GQA-reduced) over the view last
     returned, of the last M = `scored_queries(N)` queries: the pending update finished."""
     p = s.pending
     if p is None:
@@ -168,17 +168,17 @@ def receive(s: CacheState, policy: Policy, weights: mx.array) -> CacheState:
     B, H = p.state.positions.shape[:2]
     N = 1 if p.keys is None else p.keys.shape[2]  # new tokens in the view
     M = scored_queries(s, policy, N)
-    if tuple(weights.shape) not in {(B, H, m, p.rows + N - 1) for m in (M, N)}:
-        rows = f"{M} or {N}" if M < N else f"{N}"
-        raise ValueError(f"weights shape {tuple(weights.shape)} is invalid: expected ({B}, {H}, {rows}, "
-                         f"{p.rows + N - 1})")
+    if tuple(weights.shape) not in {(B, H, m, p.span + N - 1) for m in (M, N)}:
+        queries = f"{M} or {N}" if M < N else f"{N}"
+        raise ValueError(f"weights shape {tuple(weights.shape)} is invalid: expected ({B}, {H}, {queries}, "
+                         f"{p.span + N - 1})")
     s = s._replace(pending=None)
     if p.staged:  # kept for the chunk that scores the staged tokens
         s = s._replace(core=p.state, staged=staging.with_weights(s.staged, weights, p.state, s.every))
         return flush(s, policy) if staging.full(s.staged, s.every) else s
     if p.keys is None:
         return s._replace(core=policy.settle(p.state, view.decode_weights(weights, p.state), p.alive))
-    state = policy.absorb(p.state, p.keys, p.values, view.view_weights(p.state, weights, p.rows), p.alive)
+    state = policy.absorb(p.state, p.keys, p.values, view.view_weights(p.state, weights, p.span), p.alive)
     mx.eval(state)  # a chunk: left lazy, every layer's chunk rows would live until the pass ends
     return s._replace(core=state)
 
@@ -204,12 +204,12 @@ def require_settled(s: CacheState, what: str) -> None:
 
 
 def mask(s: CacheState, config: H2OConfig, N: int, return_array: bool = False):
-    """The attention mask of N new tokens over the view: None for one token of equal rows
-    (as mlx-lm's KVCache, even with return_array), causal over kept + N rows for a chunk,
-    and per row when the rows of a batch keep different counts."""
+    """The attention mask of N new tokens over the view: None for one token of equal batch
+    rows (as mlx-lm's KVCache, even with return_array), causal over kept + N rows for a
+    chunk, and per batch row when the batch rows keep different counts."""
     if len(set(s.lengths)) > 1:
-        rows = view.rows_for(s.lengths, slots(s, config))
-        return view.view_mask(mx.array(s.lengths, dtype=mx.int32), rows, N)
+        span = view.span_for(s.lengths, slots(s, config))
+        return view.view_mask(mx.array(s.lengths, dtype=mx.int32), span, N)
     if N == 1:
         return None
     return create_causal_mask(N, offset=max(s.lengths, default=0)) if return_array else "causal"
@@ -225,14 +225,14 @@ def real_tokens(s: CacheState, N: int) -> Optional[List[int]]:
 
 def next_step(s: CacheState, config: H2OConfig, B: int, H: int, N: int) -> Step:
     """What the next update of N tokens will start from (for a follower that takes its
-    tokens before the leader does): the settled layout, counts and view rows."""
+    tokens before the leader does): the settled layout, counts and view span."""
     require_settled(s, "lead")
     if s.core is None:
         positions, seen, lengths = mx.full((B, H, slots(s, config)), -1, dtype=mx.int32), [0] * B, [0] * B
     else:
         positions, seen, lengths = s.core.positions, list(s.seen), s.lengths
     counts = real_tokens(s, N) or [N] * len(seen)
-    return Step(positions, seen, counts, view.rows_for(lengths, slots(s, config)))
+    return Step(positions, seen, counts, view.span_for(lengths, slots(s, config)))
 
 
 def trim(s: CacheState, n: int) -> Tuple[CacheState, int]:
@@ -243,14 +243,14 @@ def trim(s: CacheState, n: int) -> Tuple[CacheState, int]:
 
 
 def absorb_scored(s: CacheState, policy: Policy, keys: mx.array, values: mx.array, scores: mx.array,
-                  rows: int) -> CacheState:
-    """A chunk `[B, H, N, D]` evicted down to budget by `scores` `[B, H, rows + N]` over the
-    first `rows` slots then the chunk (`retention.chunk_scores`, `prefill.absorb_scored`)."""
+                  span: int) -> CacheState:
+    """A chunk `[B, H, N, D]` evicted down to budget by `scores` `[B, H, span + N]` over the
+    first `span` slots then the chunk (`retention.chunk_scores`, `prefill.absorb_scored`)."""
     require_settled(s, "absorb a scored chunk")
     check(s, policy.kv, keys, values)
     N, budget = keys.shape[2], policy.config.budget
     s = _started(s, policy, keys, values)
-    scores = retention.chunk_scores(s.core, scores, rows)
+    scores = retention.chunk_scores(s.core, scores, span)
     state = prefill.absorb_scored(s.core, keys, values, scores, policy.config, policy.prompt, policy.kv)
     return s._replace(core=state, seen=tuple(a + N for a in s.seen),
                       lengths=tuple(min(k + N, budget) for k in s.lengths))
@@ -264,19 +264,19 @@ def kept_rows(s: CacheState, kv: Storage) -> tuple:
                  for x in (s.core.keys, s.core.values))
 
 
-def take_rows(s: CacheState, idx: Sequence[int]) -> CacheState:
+def take_batch(s: CacheState, idx: Sequence[int]) -> CacheState:
     """Batch rows `idx` (in that order): state, staged tokens and their weights."""
     if s.core is None:
         return s._replace(waiting=len(idx))
-    rows, c = mx.array(list(idx)), s.core
-    state = H2OState(storage.select(c.keys, rows), storage.select(c.values, rows), *(x[rows] for x in c[2:]))
-    return s._replace(core=state, staged=staging.take(s.staged, rows), seen=tuple(s.seen[i] for i in idx),
+    batch, c = mx.array(list(idx)), s.core
+    state = H2OState(storage.select(c.keys, batch), storage.select(c.values, batch), *(x[batch] for x in c[2:]))
+    return s._replace(core=state, staged=staging.take(s.staged, batch), seen=tuple(s.seen[i] for i in idx),
                       lengths=tuple(s.lengths[i] for i in idx),
                       to_come=None if s.to_come is None else tuple(s.to_come[i] for i in idx))
 
 
 def stack(states: Sequence[CacheState], policy: Policy) -> CacheState:
-    """Settled single-prompt states as one batch, rows as they are (each keeps its length;
+    """Settled single-prompt states as one batch, batch rows as they are (each keeps its length;
     an empty one becomes an empty row)."""
     every = {s.every for s in states}
     if len(every) != 1:

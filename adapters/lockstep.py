@@ -86,9 +86,9 @@ class H2OFollower(_BaseCache):
         if N == 1:  # the row goes where the leader put its token; evictions move no rows
             first = admit(state, keys, values)  # a follower's rows are dense
             self.keys, self.values = first.keys, first.values
-            out = view.view(first, step.rows)
+            out = view.view(first, step.span)
         else:
-            out = view.chunk_view(state, keys, values, step.rows)
+            out = view.chunk_view(state, keys, values, step.span)
             arange = mx.arange(N, dtype=mx.int32)
             chunk = mx.where(arange < mx.array(step.counts)[:, None], mx.array(seen)[:, None] + arange, -1)
             positions = mx.concatenate([step.positions, mx.broadcast_to(chunk[:, None], (B, H, N))], axis=-1)
@@ -183,7 +183,7 @@ class H2OFollower(_BaseCache):
         self._seen = [self._seen[i] for i in idx] if self._seen else []
 
     def extend(self, other: "H2OFollower"):
-        merged = H2OFollower.merge([*self.rows(), *other.rows()])
+        merged = H2OFollower.merge([*self.unbatched(), *other.unbatched()])
         self.keys, self.values, self._seen = merged.keys, merged.values, merged.seen_rows()
 
     def extract(self, idx: int) -> "H2OFollower":
@@ -192,7 +192,7 @@ class H2OFollower(_BaseCache):
             return H2OFollower()
         return H2OFollower(keys=self.keys[idx : idx + 1], values=self.values[idx : idx + 1], seen=[self._seen[idx]])
 
-    def rows(self) -> List["H2OFollower"]:
+    def unbatched(self) -> List["H2OFollower"]:
         """Every row as a follower of its own."""
         return [self.extract(i) for i in range(len(self._seen))]
 

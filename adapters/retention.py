@@ -60,11 +60,11 @@ class ScoringPass:
     def __init__(self, cache: H2OKVCache):
         self.cache = cache
         cache.compact()
-        self.rows = cache.tokens_kept  # the kept rows are the first `rows` slots
+        self.span = cache.tokens_kept  # the kept rows are the first `span` slots
         self.offset = cache.tokens_seen
-        self.kept = cache.kept_rows() if self.rows else None
+        self.kept = cache.kept_rows() if self.span else None
         self.chunk = None  # (keys, values) of pass 1, [B, H, N, D]
-        self.scores = None  # [B, H, rows + N] after pass 2
+        self.scores = None  # [B, H, span + N] after pass 2
         self.wants_weights = False
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -82,7 +82,7 @@ class ScoringPass:
         del window_size
         if N == 1:
             return None
-        held = self.rows + (0 if self.chunk is None else self.chunk[0].shape[2])
+        held = self.span + (0 if self.chunk is None else self.chunk[0].shape[2])
         return create_causal_mask(N, offset=held) if return_array else "causal"
 
     @property
@@ -94,7 +94,7 @@ class ScoringPass:
 
     def receive_weights(self, weights: mx.array) -> None:
         """The repeat pass's weights `[B, Hq, N, L]` over kept rows, chunk and repeat tokens."""
-        context = self.rows + self.chunk[0].shape[2]
+        context = self.span + self.chunk[0].shape[2]
         self.scores = retention.aggregate(weights[..., :context], self.kv_heads)
         mx.eval(self.scores)  # now: left lazy, every layer's weights would stay alive until the pass ends
         self.wants_weights = False
@@ -104,7 +104,7 @@ class ScoringPass:
         if self.scores is None:
             raise RuntimeError("the repeat pass never handed its attention weights to this layer: "
                                "its attention does not go through mlx_lm's scaled_dot_product_attention")
-        self.cache.absorb_scored(*self.chunk, self.scores, self.rows)
+        self.cache.absorb_scored(*self.chunk, self.scores, self.span)
 
 
 def _layers(cache: Sequence[Any]) -> List[Any]:

@@ -55,7 +55,7 @@ def stage(staged: Staged, keys: mx.array, values: mx.array, seen: Sequence[int])
 
 
 def with_weights(staged: Staged, weights: mx.array, admitted: H2OState, k: int) -> Staged:
-    """`staged` with the last token's attention weights `[B, H, 1, rows]` over the view of
+    """`staged` with the last token's attention weights `[B, H, 1, span]` over the view of
     `admitted`, laid out as the row of the chunk of k that will score them."""
     w = _compiled_staged_weights(k)(weights, admitted.positions, staged.start)
     return staged._replace(weights=(*staged.weights, w))
@@ -91,10 +91,10 @@ def flush(state: H2OState, staged: Staged, policy: Policy) -> H2OState:
     return policy.absorb_staged(state, *chunk(staged), weights)
 
 
-def take(staged: Staged, rows: mx.array) -> Staged:
-    """Batch rows `rows` `[b]` of every staged array."""
-    return Staged(tuple(k[rows] for k in staged.keys), tuple(v[rows] for v in staged.values),
-                  tuple(w[rows] for w in staged.weights), None if staged.start is None else staged.start[rows])
+def take(staged: Staged, batch: mx.array) -> Staged:
+    """Batch rows `batch` `[b]` of every staged array."""
+    return Staged(tuple(k[batch] for k in staged.keys), tuple(v[batch] for v in staged.values),
+                  tuple(w[batch] for w in staged.weights), None if staged.start is None else staged.start[batch])
 
 
 def to_arrays(staged: Staged) -> tuple:

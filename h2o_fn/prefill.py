@@ -291,8 +291,8 @@ def _evict_in_place(state, scores, pool, config) -> H2OState:
                                  axis=-1)
 
     return H2OState(
-        keys=storage.write(state.keys, dst, storage.rows_of(state.keys, budget)),
-        values=storage.write(state.values, dst, storage.rows_of(state.values, budget)),
+        keys=storage.write(state.keys, dst, storage.slot_range(state.keys, budget)),
+        values=storage.write(state.values, dst, storage.slot_range(state.values, budget)),
         scores=moved(scores, 0.0),
         positions=moved(positions, -1),
         length=length,

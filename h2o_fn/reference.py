@@ -259,10 +259,10 @@ def aggregate(weights, kv_heads: int) -> np.ndarray:
     return out
 
 
-def chunk_scores(state: RefState, scores, rows=None) -> List[List[dict]]:
+def chunk_scores(state: RefState, scores, span=None) -> List[List[dict]]:
     """New scores by position per (b, h): `scores[b, h, p]` for the chunk's positions
     (p >= seen[b]), max(old score, scores[b, h, p]) for a kept token at position p."""
-    del rows
+    del span
     scores = np.asarray(scores, np.float64)
     out = []
     for b, row in enumerate(state.heads):

@@ -26,7 +26,7 @@ Example:
     [[[0.5, 0.125, 0.25, 0.125, 0.5]]]
     >>> state = init(cfg, 1, 1, 4)
     >>> kv = mx.zeros((1, 1, 5, 4))
-    >>> kept_positions(absorb_scored(state, kv, kv, chunk_scores(state, s, rows=0), cfg))[0, 0].tolist()
+    >>> kept_positions(absorb_scored(state, kv, kv, chunk_scores(state, s, span=0), cfg))[0, 0].tolist()
     [0, 2, 4, -1]
 """
 
@@ -46,15 +46,15 @@ def aggregate(weights: mx.array, kv_heads: int) -> mx.array:
     return mx.max(w, axis=2)
 
 
-def chunk_scores(state: H2OState, scores: mx.array, rows: int) -> mx.array:
-    """Scores `[B, H, rows + N]` over a scoring view (the state's first `rows` slots, then
+def chunk_scores(state: H2OState, scores: mx.array, span: int) -> mx.array:
+    """Scores `[B, H, span + N]` over a scoring view (the state's first `span` slots, then
     the N chunk tokens) -> `[B, H, C + N]` for `absorb_scored(state, ...)`: a kept token
-    keeps the larger of its score and its new one; free slots and slots past `rows` keep
+    keeps the larger of its score and its new one; free slots and slots past `span` keep
     their score (free slots are ignored by `absorb_scored`)."""
     C = state.positions.shape[-1]
-    if rows > C or scores.shape[-1] < rows:
-        raise ValueError(f"rows={rows} is invalid for scores {tuple(scores.shape)} over {C} slots: "
-                         "expected rows <= C and rows <= L")
-    on_slots = mx.pad(scores[..., :rows], [(0, 0), (0, 0), (0, C - rows)])
+    if span > C or scores.shape[-1] < span:
+        raise ValueError(f"span={span} is invalid for scores {tuple(scores.shape)} over {C} slots: "
+                         "expected span <= C and span <= L")
+    on_slots = mx.pad(scores[..., :span], [(0, 0), (0, 0), (0, C - span)])
     slots = mx.where(state.positions >= 0, mx.maximum(state.scores, on_slots), state.scores)
-    return mx.concatenate([slots, scores[..., rows:].astype(mx.float32)], axis=-1)
+    return mx.concatenate([slots, scores[..., span:].astype(mx.float32)], axis=-1)

@@ -186,7 +186,7 @@ def head(store: Store, n: int) -> Store:
     return _map(lambda x: x[:, :, :n], store)
 
 
-def rows_of(store: Store, start: int, stop: Optional[int] = None) -> Store:
+def slot_range(store: Store, start: int, stop: Optional[int] = None) -> Store:
     """Slots [start, stop) (views, no copy)."""
     return _map(lambda x: x[:, :, start:stop], store)
 
@@ -198,9 +198,9 @@ def concat(a: Store, b: Store) -> Store:
     return mx.concatenate([a, b.astype(a.dtype)], axis=2)
 
 
-def select(store: Store, rows: mx.array) -> Store:
-    """Batch rows `rows` (indices into B)."""
-    return _map(lambda x: x[rows], store)
+def select(store: Store, batch: mx.array) -> Store:
+    """Batch rows `batch` (indices into B)."""
+    return _map(lambda x: x[batch], store)
 
 
 def stack(stores) -> Store:

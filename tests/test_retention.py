@@ -52,13 +52,13 @@ def _absorb_both(s, r, rng, n, cfg, prompt):
     k = rng.standard_normal((B, H, n, 4)).astype(np.float32)
     by_position = rng.random((B, H, int(max(s.seen.tolist())) + n)).astype(np.float32)
     s = view.compact(s)
-    rows = int(mx.max(s.length).item())
-    pos = np.array(s.positions[..., :rows])
+    span = int(mx.max(s.length).item())
+    pos = np.array(s.positions[..., :span])
     on_slots = np.where(pos >= 0, np.take_along_axis(by_position, np.maximum(pos, 0), -1), 0)
     seen = np.array(s.seen)[:, None, None]
     on_chunk = np.take_along_axis(by_position, seen + np.arange(n), -1)
     scores = mx.array(np.concatenate([on_slots, on_chunk], -1).astype(np.float32))
-    got = retention.chunk_scores(s, scores, rows)
+    got = retention.chunk_scores(s, scores, span)
     want = ref.chunk_scores(r, by_position)
     for b in range(B):
         for h in range(H):
@@ -111,9 +111,9 @@ def test_compact_keeps_everything_and_sorts_the_kept_first(data):
             assert np.array_equal(np.array(c.keys[b, h]), np.array(s.keys[b, h])[order])
 
 
-def test_chunk_scores_rejects_more_rows_than_slots():
+def test_chunk_scores_rejects_a_span_beyond_the_slots():
     s = init(H2OConfig(budget=2, n_sink=0, grace=0), 1, 1, 4)
-    with pytest.raises(ValueError, match="rows=9 is invalid"):
+    with pytest.raises(ValueError, match="span=9 is invalid"):
         retention.chunk_scores(s, mx.zeros((1, 1, 12)), 9)
 
 
