@@ -46,6 +46,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from h2o_fn import storage
+from h2o_fn.softmax import softmax
 
 NAME = "scaled_dot_product_attention"
 REDUCE = {"mean": mx.mean, "max": mx.max}  # over the query heads sharing a KV head
@@ -90,9 +91,9 @@ def attention_with_weights(
             logits = logits + mask.astype(mx.float32)
     if sinks is not None:
         sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, H, rep, 1, 1), (B, H, rep, N, 1))
-        weights = mx.softmax(mx.concatenate([sink, logits], axis=-1), axis=-1, precise=True)[..., 1:]
+        weights = softmax(mx.concatenate([sink, logits], axis=-1))[..., 1:]
     else:
-        weights = mx.softmax(logits, axis=-1, precise=True)
+        weights = softmax(logits)  # h2o_fn.softmax: mlx's CPU exp is slow
     out = weights @ values.astype(mx.float32)[:, :, None]  # [B, H, rep, N, Dv]
     return out.reshape(B, Hq, N, -1).astype(queries.dtype), weights.reshape(B, Hq, N, L)
 

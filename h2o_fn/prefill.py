@@ -29,6 +29,7 @@ from .core import compiled_step, rewind
 from .prompt import Prompt
 from .rule import Argmin, evict_lowest, protected_argmin
 from .scoring import clean_weights, scored_queries
+from .softmax import softmax
 from .state import H2OState
 from .storage import DENSE, Storage
 
@@ -146,7 +147,7 @@ def _chunk_weights(state, keys, chunk_store, kv, weights, n_alive, first: int = 
         # slots and chunk apart: concatenating the keys would copy all C stored rows
         logits = mx.concatenate([times_rows(q, state.keys, kv), q @ k.swapaxes(-1, -2)],
                                 axis=-1) * keys.shape[-1] ** -0.5
-        weights = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
+        weights = softmax(mx.where(visible, logits, -mx.inf))
     return clean_weights(mx.where(visible, weights, 0.0))
 
 

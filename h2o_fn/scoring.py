@@ -19,6 +19,7 @@ import mlx.core as mx
 from .arrays import f32, knob, per_row, times_rows
 from .config import H2OConfig
 from .prompt import Prompt
+from .softmax import softmax
 from .state import H2OState
 from .storage import DENSE, Storage
 
@@ -54,7 +55,7 @@ def proxy_weights(keys, visible: mx.array, queries: mx.array, kv: Storage) -> mx
     """
     scale = queries.shape[-1] ** -0.5
     logits = times_rows(f32(queries) * scale, keys, kv)
-    w = mx.softmax(mx.where(visible[..., None, :], logits, -mx.inf), axis=-1, precise=True)
+    w = softmax(mx.where(visible[..., None, :], logits, -mx.inf))  # h2o_fn.softmax: mlx's CPU exp is slow
     return mx.nan_to_num(w, nan=0.0)  # softmax gives [0, 1] or NaN (no valid slot, NaN keys)
 
 
