@@ -37,6 +37,7 @@ from h2o_fn import (
     rewind,
     step,
 )
+from h2o_fn.softmax import exp as fast_exp
 
 from ..attention import query_scoring
 from ..metrics import corpus_tokens
@@ -159,8 +160,10 @@ def bench_profile(configs, layers=30, repeats=60) -> list:
                 + protected_argmin(s.scores, s.positions, s.seen, cfg.n_sink, cfg.grace)[..., None]
             ),
             "evict (argmin + free the slot)": lambda s: evict(s._replace(length=s.length + 1), cfg),
-            "exp of C scores per KV head (the softmax's transcendental)": lambda s: s._replace(
+            "mx.exp of C scores per KV head (mlx's CPU exponential)": lambda s: s._replace(
                 scores=mx.exp(-s.scores)),
+            "h2o_fn.softmax.exp of C scores per KV head (the proxy's)": lambda s: s._replace(
+                scores=fast_exp(-s.scores)),
             "step": lambda s: step(s, tok, tok, cfg),
         }
         for name, part in parts.items():
