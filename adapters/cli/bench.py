@@ -359,21 +359,33 @@ def render_update(rows: list) -> List[str]:
 
 
 def render_decode(d: dict) -> List[str]:
-    first = {}  # context -> (full, rotating) step times: the first two rows of each context
+    first = {}  # context -> (full, rotating) rows: the first two rows of each context
     for r in d["rows"]:
-        first.setdefault(r["context"], []).append(r["step_ms"])
+        first.setdefault(r["context"], []).append(r)
     return common.section(
         f"Model decode after a context (budget {d['budget']}, prefill chunks of {d['chunk']})",
-        "context:r | cache:l | ms/token:r | tokens/s:r | vs full:r | vs rotating:r | rounds (ms):r",
+        "context:r | cache:l | ms/token:r | tokens/s:r | vs full:r | vs rotating:r | vs rotating, paired:r | "
+        "rounds (ms):r",
         [
             (r["context"], r["cache"], f"{r['step_ms']:.1f}", f"{r['tok_s']:.2f}",
-             f"{r['step_ms'] / first[r['context']][0]:.2f}",
-             f"{first[r['context']][1] / r['step_ms']:.2f}x speed", _spread(r.get("rounds_ms", [])))
+             f"{r['step_ms'] / first[r['context']][0]['step_ms']:.2f}",
+             f"{first[r['context']][1]['step_ms'] / r['step_ms']:.2f}x speed",
+             _paired(first[r["context"]][1].get("rounds_ms", []), r.get("rounds_ms", [])),
+             _spread(r.get("rounds_ms", [])))
             for r in d["rows"]
         ],
         notes=[f"{d.get('rounds', 1)} rounds of {d.get('steps', '?')} steps per cache, every cache in turn "
-               "each round; ms/token is the median round"] if d.get("rounds", 1) > 1 else (),
+               "each round; ms/token is the median round; 'paired' is the median over rounds of the "
+               "rotating cache's time over this cache's in the same round (the machine's drift cancels)"]
+        if d.get("rounds", 1) > 1 else (),
     )
+
+
+def _paired(rotating_ms: List[float], ms: List[float]) -> str:
+    """Median over rounds of rotating / this cache, each round against its own (or '')."""
+    if len(ms) < 2 or len(rotating_ms) != len(ms):
+        return ""
+    return f"{statistics.median(a / b for a, b in zip(rotating_ms, ms)):.2f}x"
 
 
 def _spread(ms: List[float]) -> str:
