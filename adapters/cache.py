@@ -14,7 +14,7 @@ scoring, and when the attention hook hands over the weights for query scoring.
 Counts are mirrored as Python ints, so decoding never forces an evaluation.
 
 `BatchH2OKVCache` is the same cache for mlx-lm's batch generator (`merge`,
-`prepare`, `finalize`, `filter`, `extend`, `extract`): rows of different
+`prepare`, `finalize`, `filter`, `extend`, `extract`): batch rows of different
 lengths, right padding never kept, scored or attended.
 
 Example:
@@ -123,7 +123,7 @@ class H2OKVCache(_BaseCache):
                       doc="The stored value rows (all C slots; a store).")
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        """None for one token of equal rows; causal over kept + N rows for a chunk."""
+        """None for one token of equal batch rows; causal over kept + N rows for a chunk."""
         if window_size is not None:
             raise ValueError(
                 f"{type(self).__name__} got window_size={window_size}: sliding-window layers must "
@@ -182,8 +182,8 @@ class H2OKVCache(_BaseCache):
 
     @classmethod
     def merge(cls, caches: Sequence["H2OKVCache"]) -> "BatchH2OKVCache":
-        """One batch cache from per-prompt caches (mlx-lm's batch generator): rows are
-        stacked as they are, no padding (each row keeps its own length)."""
+        """One batch cache from per-prompt caches (mlx-lm's batch generator): their batch
+        rows are stacked as they are, no padding (each keeps its own length)."""
         policy = _one_policy(caches)
         state = cache_state.stack([c.settled("merge") for c in caches], policy)
         return _of(BatchH2OKVCache, policy, state)
@@ -304,7 +304,7 @@ def _starting(state: Optional[CacheState], evict_every: Optional[int]) -> CacheS
 
 
 class BatchH2OKVCache(H2OKVCache):
-    """H2O for mlx-lm's batch generator: rows of their own lengths and positions.
+    """H2O for mlx-lm's batch generator: batch rows of their own lengths and positions.
 
     `offset` is `[B]` (each row's next position, for RoPE); chunks may end in right
     padding announced by `prepare(lengths=..., right_padding=...)`: those tokens are
@@ -322,7 +322,7 @@ class BatchH2OKVCache(H2OKVCache):
         if left_padding is not None and any(int(p) for p in left_padding):
             raise ValueError(
                 f"{type(self).__name__} got left_padding={list(left_padding)}: expected none "
-                "(rows keep their own lengths; pad on the right with prepare(lengths=...))"
+                "(batch rows keep their own lengths; pad on the right with prepare(lengths=...))"
             )
         if right_padding is not None and max(right_padding) > 0:
             if lengths is None:
@@ -349,14 +349,14 @@ class BatchH2OKVCache(H2OKVCache):
         self._view = None
 
     def extract(self, idx: int) -> H2OKVCache:
-        """Row `idx` as a single-prompt cache (its staged decode tokens stay staged)."""
+        """Batch row `idx` as a single-prompt cache (its staged decode tokens stay staged)."""
         cache_state.require_settled(self._s, "extract")
         row = cache_state.take_batch(self._s, [idx])
         state = CacheState(every=self.evict_every) if self._s.core is None else row._replace(to_come=None)
         return _of(H2OKVCache, self.policy, state)
 
     def unbatched(self) -> List[H2OKVCache]:
-        """Every row as a single-prompt cache."""
+        """Every batch row as a single-prompt cache."""
         n = len(self._s.seen) if self._s.core is not None else self._s.waiting
         return [self.extract(i) for i in range(n)]
 

@@ -77,7 +77,7 @@ def slots(s: CacheState, config: H2OConfig) -> int:
 
 def update(s: CacheState, policy: Policy, keys: mx.array, values: mx.array):
     """Store `keys`/`values` `[B, H, N, D]`: (the new state, the view `[B, H, L, D]` for
-    attention, L = view span + N)."""
+    attention, L = view span + N - 1)."""
     if s.pending is not None:
         raise RuntimeError(
             "an H2O cache (scoring='query') got new tokens before the attention weights of the "

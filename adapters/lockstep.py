@@ -193,7 +193,7 @@ class H2OFollower(_BaseCache):
         return H2OFollower(keys=self.keys[idx : idx + 1], values=self.values[idx : idx + 1], seen=[self._seen[idx]])
 
     def unbatched(self) -> List["H2OFollower"]:
-        """Every row as a follower of its own."""
+        """Every batch row as a follower of its own."""
         return [self.extract(i) for i in range(len(self._seen))]
 
 

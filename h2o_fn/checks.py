@@ -16,9 +16,8 @@ from .storage import Storage
 def check_chunk(state: H2OState, keys: mx.array, values: mx.array, kv: Storage,
                 n: Optional[int] = None) -> int:
     B, H, _ = state.positions.shape
-    if storage.is_quantized(state.keys) != (storage.check(kv).bits is not None):
-        raise ValueError(f"kv={kv} is invalid for this state: expected the storage it was built "
-                         f"with (its rows are {'quantized' if storage.is_quantized(state.keys) else 'dense'})")
+    storage.check_store(state.keys, kv, "keys")
+    storage.check_store(state.values, kv, "values")
     widths = (("keys", keys, storage.width(state.keys, kv.bits)),
               ("values", values, storage.width(state.values, kv.bits)))
     for name, x, D in widths:

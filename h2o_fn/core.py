@@ -88,6 +88,8 @@ def admit(state: H2OState, key: mx.array, value: mx.array, kv: Storage = DENSE,
     written into the free slot, which stays free). The rule plays no part: only how
     rows are stored (`kv`).
     """
+    storage.check_store(state.keys, kv, "keys")
+    storage.check_store(state.values, kv, "values")
     return _admit(state, key, value, kv, alive)[0]
 
 

@@ -5,7 +5,7 @@ optax's `GradientTransformation` pairs `init` with `update`; a `Policy` pairs an
 SnapKV's window and pooling) and its row storage (`kv`, `h2o_fn.Storage`), and offers
 the core's transitions with all four bound:
 `init`, `step`, `admit`, `settle`, `absorb`, `absorb_staged`. Decode-sized calls go
-through `mx.compile` (one trace per config, op and shape); `absorb` stays eager,
+through `mx.compile` (one trace per config, op, storage and shape); `absorb` stays eager,
 since prompt chunks come in many lengths. A `Policy` holds no compiled function
 (they are looked up in the core's caches), so it pickles and deep-copies.
 

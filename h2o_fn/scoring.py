@@ -16,6 +16,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from . import storage
 from .arrays import f32, knob, per_row, times_rows
 from .config import H2OConfig
 from .prompt import Prompt
@@ -44,6 +45,7 @@ def key_weights(state: H2OState, queries: mx.array, kv: Storage = DENSE) -> mx.a
         >>> key_weights(s, mx.ones((1, 1, 1, 4)))[0, 0, 0, :4].tolist()
         [0.3333333432674408, 0.3333333432674408, 0.3333333432674408, 0.0]
     """
+    storage.check_store(state.keys, kv, "keys")
     return proxy_weights(state.keys, state.positions >= 0, queries, kv)
 
 

@@ -2,12 +2,13 @@
 
 mlx 0.32's CPU `exp` costs 10-25 ns per float32 element on the machines we measure
 (BENCHMARKS.md: it is most of a decode step's proxy weights at 2048-4096 slots) and is
-off by up to ~31 ulp. `exp` here is Cephes' `expf` (range reduction by ln 2 in two
+off by up to 61 ulp. `exp` here is Cephes' `expf` (range reduction by ln 2 in two
 parts, a degree-6 polynomial, the exponent written into the float's bits): plain
 multiply-adds that `mx.compile` fuses into one vectorized loop, within 1 ulp of the
 float64 exponential and several times faster. Below -87.3 (the smallest normal float32
-is e^-87.34) it is exactly 0, so masked entries (-inf) weigh nothing; above 88.72 it is
-inf; NaN stays NaN.
+is e^-87.34) it is exactly 0, so masked entries (-inf) weigh nothing; above 88.37 it is
+inf (2^128 has no float32 exponent; the softmax never gets there: its inputs are <= 0);
+NaN stays NaN.
 
 Shapes: any; `softmax` normalises along one axis.
 
@@ -23,21 +24,32 @@ Example:
 import mlx.core as mx
 
 _LOWEST = -87.3  # below this the result is 0 (e^-87.34 is the smallest normal float32)
-_HIGHEST = 88.72  # above this it is inf (e^88.7228 is the largest float32)
+_HIGHEST = 88.37  # above this it is inf: n would reach 128, past float32's exponents
 
 
-def _exp(x: mx.array) -> mx.array:
-    """e^x for float32 `x` (any shape): Cephes' expf, 0 below `_LOWEST`, inf above `_HIGHEST`."""
-    n = mx.floor(mx.clip(x, _LOWEST, _HIGHEST) * 1.44269504088896341 + 0.5)  # x = n ln2 + r, |r| <= ln2 / 2
+def _reduced(x: mx.array):
+    """x = n ln2 + r, |r| <= ln2 / 2: (e^r by Cephes' polynomial, the float32 bits of 2^n)."""
+    n = mx.floor(mx.clip(x, _LOWEST, _HIGHEST) * 1.44269504088896341 + 0.5)
     r = x - n * 0.693359375 + n * 2.12194440e-4  # ln 2 in two parts: the first is exact in float32
     p = ((((1.9875691500e-4 * r + 1.3981999507e-3) * r + 8.3334519073e-3) * r + 4.1665795894e-2) * r
          + 1.6666665459e-1) * r + 5.0000001201e-1
-    two_n = ((n.astype(mx.int32) + 127) << 23).view(mx.float32)  # 2^n: n + 127 in the exponent bits
-    out = mx.where(x > _HIGHEST, mx.inf, (p * r * r + r + 1.0) * two_n)
+    return p * r * r + r + 1.0, (n.astype(mx.int32) + 127) << 23  # n + 127 in the exponent bits
+
+
+def _scaled(x: mx.array, e_r: mx.array, two_n: mx.array) -> mx.array:
+    out = mx.where(x > _HIGHEST, mx.inf, e_r * two_n)
     return mx.where(x >= _LOWEST, out, mx.where(x == x, 0.0, x))  # NaN >= anything is False
 
 
-exp = mx.compile(_exp)
+# shapeless: one trace for every shape (attention grows by a row per decode step); the
+# bit cast between the two cannot be traced shapeless, so it sits outside them
+_reduced_c, _scaled_c = mx.compile(_reduced, shapeless=True), mx.compile(_scaled, shapeless=True)
+
+
+def exp(x: mx.array) -> mx.array:
+    """e^x for float32 `x` (any shape): Cephes' expf, 0 below -87.3, inf above 88.37."""
+    e_r, bits = _reduced_c(x)
+    return _scaled_c(x, e_r, bits.view(mx.float32))
 
 
 def softmax(x: mx.array, axis: int = -1) -> mx.array:

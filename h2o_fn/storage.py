@@ -86,6 +86,17 @@ def check(kv) -> Storage:
     return kv
 
 
+def check_store(store: "Store", kv: Storage, name: str = "keys") -> None:
+    """Raise unless `store` holds rows as `kv` says: dense, or quantized in groups of
+    `kv.group_size` (with the incoming rows' width checked too, this pins bits and group)."""
+    quantized = is_quantized(store)
+    if quantized != (check(kv).bits is not None) or (
+            quantized and store[1].shape[-1] * kv.group_size != width(store, kv.bits)):
+        kind = f"quantized, {store[1].shape[-1]} groups per row" if quantized else "dense"
+        raise ValueError(f"kv={kv} is invalid for these {name}: expected the storage the state was built "
+                         f"with (its {name} are {kind})")
+
+
 def is_quantized(store: Store) -> bool:
     return isinstance(store, tuple)
 

@@ -64,12 +64,12 @@ def test_each_row_evicts_on_its_own_positions(model, scoring, prefill, kv_bits, 
     """At a small budget every row of the batch keeps exactly what it keeps alone (rows
     that finish early leave the others' staged decode tokens staged)."""
     cfg = H2OConfig(budget=9, n_sink=1, grace=2, scoring=scoring, prefill=prefill)
-    rows = dict(kv_bits=kv_bits, kv_group_size=32)
-    caches = [make_h2o_cache(model, cfg, evict_every=evict_every, **rows) for _ in PROMPTS]
+    storage = dict(kv_bits=kv_bits, kv_group_size=32)
+    caches = [make_h2o_cache(model, cfg, evict_every=evict_every, **storage) for _ in PROMPTS]
     out = batch_generate(model, Tokenizer(), PROMPTS, max_tokens=MAX_TOKENS, return_token_ids=True,
                          return_prompt_caches=True, prompt_caches=caches)
     for prompt, ids, caches in zip(PROMPTS, out.token_ids, out.caches):
-        alone = replay(model, cfg, prompt, ids, evict_every, **rows)
+        alone = replay(model, cfg, prompt, ids, evict_every, **storage)
         for a, b in zip(caches, alone):
             assert type(a) is H2OKVCache
             assert a.tokens_seen == b.tokens_seen == len(prompt) + len(ids)

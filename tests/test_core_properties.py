@@ -245,13 +245,19 @@ def test_bad_storages_name_the_field(kwargs, field):
 
 def test_a_storage_the_state_was_not_built_with_is_refused():
     """Rows written with another storage than `init`'s would be stored in the wrong form."""
-    cfg, tok = H2OConfig(budget=8, n_sink=1, grace=1), mx.zeros((1, 2, 1, 32))
-    with pytest.raises(ValueError, match="expected the storage it was built with"):
-        step(init(cfg, 1, 2, 32), tok, tok, cfg, kv=Storage(8, 32))
-    with pytest.raises(ValueError, match="its rows are quantized"):
-        absorb(init(cfg, 1, 2, 32, kv=Storage(8, 32)), tok, tok, cfg)
+    cfg, tok = H2OConfig(budget=8, n_sink=1, grace=1), mx.zeros((1, 2, 1, 64))
+    with pytest.raises(ValueError, match="expected the storage the state was built with"):
+        step(init(cfg, 1, 2, 64), tok, tok, cfg, kv=Storage(8, 32))
+    with pytest.raises(ValueError, match="its keys are quantized"):
+        absorb(init(cfg, 1, 2, 64, kv=Storage(8, 32)), tok, tok, cfg)
+    with pytest.raises(ValueError, match="2 groups per row"):  # groups of 32, told 64
+        admit(init(cfg, 1, 2, 64, kv=Storage(8, 32)), tok, tok, Storage(8, 64))
+    with pytest.raises(ValueError, match="its keys are quantized"):
+        key_weights(init(cfg, 1, 2, 64, kv=Storage(4, 32)), tok)
+    with pytest.raises(ValueError, match="D=32"):  # 4 bits read as 8: the rows' width gives it away
+        step(init(cfg, 1, 2, 64, kv=Storage(4, 64)), tok, tok, cfg, kv=Storage(8, 32))
     with pytest.raises(TypeError, match="expected an h2o_fn.Storage"):
-        admit(init(cfg, 1, 2, 32), tok, tok, cfg)  # the config where the storage goes
+        admit(init(cfg, 1, 2, 64), tok, tok, cfg)  # the config where the storage goes
 
 
 @pytest.mark.parametrize("kwargs, field", [(dict(window=-1), "window"), (dict(window=2.0), "window"),

@@ -85,15 +85,16 @@ def _core_call(fn, state):
     return go
 
 
-def _adapter_at(cfg, context, tok, kv_bits: Optional[int] = None) -> H2OKVCache:
-    adapter = H2OKVCache(cfg, kv_bits=kv_bits)
+def _adapter_at(cfg, context, tok, kv_bits: Optional[int] = None, kv_group_size: int = 64) -> H2OKVCache:
+    adapter = H2OKVCache(cfg, kv_bits=kv_bits, kv_group_size=kv_group_size)
     adapter.update_and_fetch(context, context)
     adapter.update_and_fetch(tok, tok)
     mx.eval(adapter.core_state)
     return adapter
 
 
-def _update_timings(cfg, budget: int, kv_bits: Optional[int], H: int, D: int, repeats: int) -> dict:
+def _update_timings(cfg, budget: int, kv_bits: Optional[int], group_size: int, H: int, D: int,
+                    repeats: int) -> dict:
     """Seconds per one-token update at `budget`: mlx-lm's caches, the core step, the adapter."""
     context, tok = mx.random.normal((1, H, budget, D)), mx.random.normal((1, H, 1, D))
     mx.eval(context, tok)
@@ -114,7 +115,7 @@ def _update_timings(cfg, budget: int, kv_bits: Optional[int], H: int, D: int, re
         "H2OKVCache.update_and_fetch": timed(_cache_call(adapter, tok), repeats),
     }
     if kv_bits:
-        qadapter = _adapter_at(cfg, context, tok, kv_bits)
+        qadapter = _adapter_at(cfg, context, tok, kv_bits, group_size)
         qfast = compiled_step(cfg, kv=qadapter.policy.kv)
         timings[f"H2O step (compiled, {kv_bits}-bit)"] = timed(
             _core_call(lambda s: qfast(s, tok, tok), qadapter.core_state), repeats)
@@ -122,11 +123,11 @@ def _update_timings(cfg, budget: int, kv_bits: Optional[int], H: int, D: int, re
     return timings
 
 
-def bench_update(configs, kv_bits: Optional[int], H=3, D=64, repeats=200) -> list:
+def bench_update(configs, kv_bits: Optional[int], group_size: int = 64, H=3, D=64, repeats=200) -> list:
     """`configs`: budget -> the key-scoring H2O config at that budget."""
     rows = []
     for budget, cfg in configs.items():
-        timings = _update_timings(cfg, budget, kv_bits, H, D, repeats)
+        timings = _update_timings(cfg, budget, kv_bits, group_size, H, D, repeats)
         base = timings["KVCache"]
         for name, sec in timings.items():
             rows.append({"budget": budget, "cache": name, "us": sec * 1e6, "vs_kvcache": sec / base})
@@ -457,7 +458,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     previous = out / "bench.json"  # sections from earlier runs stay unless this run redoes them
     results = {**(json.loads(previous.read_text()) if previous.exists() else {}), **header}
     if "update" in args.what:
-        results["update"] = bench_update(keyed(args.budgets), args.kv_bits, repeats=args.repeats)
+        results["update"] = bench_update(keyed(args.budgets), args.kv_bits, args.kv_group_size, repeats=args.repeats)
     if "profile" in args.what:
         results["profile"] = bench_profile(keyed(args.profile_budgets), repeats=max(args.repeats // 4, 6))
     if "decode" in args.what or "prefill" in args.what:

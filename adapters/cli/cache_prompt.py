@@ -73,9 +73,7 @@ def full_cache_bytes(cache) -> int:
     s = cache.core_state
 
     def row(store):  # (elements per row, bytes per element) unquantized
-        if storage.is_quantized(store):  # (packed uint32, scales, biases)
-            return store[0].shape[-1] * 32 // cache.bits, store[1].dtype.size
-        return store.shape[-1], store.dtype.size
+        return storage.width(store, cache.policy.kv.bits), storage.dtype_of(store).size
 
     B, H = s.positions.shape[:2]
     return B * H * cache.tokens_seen * sum(n * size for n, size in map(row, (s.keys, s.values)))
@@ -87,7 +85,7 @@ def metadata(args, tokenizer, policy, chat: bool, seen: int) -> dict:
         "format": FORMAT,
         "model": common.model_name(args.model),
         "chat_template": json.dumps(tokenizer.chat_template if chat else None),
-        "h2o_config": json.dumps(policy.fields()),
+        "h2o_policy": json.dumps(policy.fields()),
         "prompt_tokens": str(seen),
         "tokenizer_config": json.dumps({}),  # mlx_lm.generate reads it (its own overrides: none)
     }
@@ -120,9 +118,10 @@ def main(argv: Optional[List[str]] = None) -> None:
             cache = to_kvcache(model, cache)
         except ValueError as e:
             parser.error(f"--kvcache: {e}")
-    save_prompt_cache(str(out), cache, metadata(args, tokenizer, common.policy_of(config, options), chat, len(ids)))
+    policy = common.policy_of(config, options)
+    save_prompt_cache(str(out), cache, metadata(args, tokenizer, policy, chat, len(ids)))
     print(f"h2o-fn cache-prompt: {common.model_name(args.model)}")
-    print(f"H2O policy: {config}")
+    print(f"H2O policy: {common.describe_policy(policy)}")
     print(f"Prompt: {len(ids)} tokens read in {seconds:.1f} s; kept {kept} per layer and KV head "
           f"(compression {len(ids) / max(kept, 1):.2f}x)")
     full = sum(full_cache_bytes(c) for c in h2o_caches(cache)) if not args.kvcache else None

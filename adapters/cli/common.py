@@ -1,8 +1,8 @@
 """What the commands share: `--model` loading, the policy flags, the run flags and header,
 optional OpenBLAS, progress lines and markdown report sections.
 
-Every policy flag's default and choices come from `h2o_fn.config` and the adapter's
-`DEFAULT_CONFIG`; `--n-sink` and `--grace` default to None, meaning "derived from the
+Every policy flag's default and choices come from `h2o_fn.config`, `h2o_fn.storage` and
+the adapter's `DEFAULT_CONFIG` and `DEFAULT_PROMPT`; `--n-sink` and `--grace` default to None, meaning "derived from the
 budget" (`H2OConfig.at_budget`), and a value the user gives is used as given (a bad
 combination is the config's own ValueError, shown as an argparse error).
 
@@ -215,6 +215,11 @@ def policy_of(config: H2OConfig, options: dict) -> Policy:
     and storage (what generate's JSON, cache-prompt's metadata and serve's stats record)."""
     return cache_policy(config, prompt=options.get("prompt"), kv_bits=options.get("kv_bits"),
                         kv_group_size=options.get("kv_group_size", 64))
+
+
+def describe_policy(policy: Policy) -> str:
+    """The config as printed, with the row storage when it quantizes (the commands' headers)."""
+    return f"{policy.config}" + (f", rows {policy.kv}" if policy.kv.bits else "")
 
 
 def storage_or_error(parser: argparse.ArgumentParser, bits: Optional[int], group_size: int) -> Storage:

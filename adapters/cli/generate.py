@@ -235,7 +235,7 @@ def answer_from_file(parser, args) -> None:
         print(f"h2o-fn generate: {common.model_name(args.model)}")
         if h2o:
             kept = max(c.tokens_kept for c in h2o)
-            print(f"H2O policy (from the file): {h2o[0].config}")
+            print(f"H2O policy (from the file): {common.describe_policy(h2o[0].policy)}")
             print(f"Prompt cache {args.prompt_cache_file}: {seen} tokens kept as {kept} per layer and KV head "
                   f"(budget {h2o[0].config.budget}, compression {seen / max(kept, 1):.2f}x), "
                   f"{sum(c.nbytes for c in cache) / 2**20:.2f} MiB of KV")
@@ -266,7 +266,7 @@ def _budget_for_run(args, n_prompt: int) -> Optional[str]:
 
 def _header(args, policy, group, chosen: Optional[str]) -> None:
     print(f"h2o-fn generate: {common.model_name(args.model)}")
-    print(f"H2O policy: {policy.config}" + (f", rows {policy.kv}" if policy.kv.bits else ""))
+    print(f"H2O policy: {common.describe_policy(policy)}")
     if group.size() > 1:
         print(f"tensor parallel: {group.size()} ranks over mx.distributed; each evicts its own KV heads, "
               "and KV bytes below are rank 0's share")

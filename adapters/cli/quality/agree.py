@@ -23,7 +23,7 @@ def measure(run: Run) -> dict:
         agree = [first_divergence(o, f) for o, f in zip(outs, fulls)]
         agree = [args.gen_tokens if a is None else a for a in agree]
         rows.append({
-            **describe(spec),
+            **describe(spec, run.options),
             "agree": agree,
             "agree_mean": sum(agree) / len(agree),
             "repeat": [repeated_4grams(o) for o in outs],

@@ -33,7 +33,7 @@ def measure(run: Run) -> dict:
     args, rows, row_elements = run.args, [], None
     for spec in specs(run):
         cache = build_cache(run.model, spec, run.options)
-        r = {**describe(spec), **streaming_ppl(run.model, cache, run.tokens(), args.chunk)}
+        r = {**describe(spec, run.options), **streaming_ppl(run.model, cache, run.tokens(), args.chunk)}
         if row_elements is None:  # the full cache (first): Dk + Dv per token and KV head
             row_elements = cache[0].keys.shape[-1] + cache[0].values.shape[-1]
         seen, kept = r["tokens"], r["kept"]

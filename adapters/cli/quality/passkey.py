@@ -39,7 +39,7 @@ def _passkey_rows(run: Run, specs: List[dict], protocol: str, cases: list, prefi
             seconds.append(t)
         by_depth = {str(d): sum(h for (dd, _, _), h in zip(cases, hits) if dd == d) / (len(cases) // len(depths))
                     for d in depths}
-        rows.append({**describe(spec), "accuracy": sum(hits) / len(hits), "by_depth": by_depth,
+        rows.append({**describe(spec, run.options), "accuracy": sum(hits) / len(hits), "by_depth": by_depth,
                      "seconds": sum(seconds) / len(seconds)})
         print(f"passkey {protocol:8s} {spec['name']:38s} budget {str(spec['budget']):>5s}  "
               f"{rows[-1]['accuracy']:.2f}  " + " ".join(f"{d}:{a:.2f}" for d, a in by_depth.items()), flush=True)
@@ -58,7 +58,7 @@ def _facts_rows(run: Run, specs: List[dict], prefix: List[int]) -> dict:
             outs = answers_per_question(model, spec, build_cache(model, spec, run.options), context, questions,
                                         prefix)
             hits += [code in tokenizer.decode(o) for code, o in zip(codes, outs)]
-        rows.append({**describe(spec), "found": sum(hits), "asked": len(hits)})
+        rows.append({**describe(spec, run.options), "found": sum(hits), "asked": len(hits)})
         print(f"facts   {spec['name']:47s} budget {str(spec['budget']):>5s}  {sum(hits)}/{len(hits)}", flush=True)
     return {"context": len(prompts[0][1]), "facts": args.facts, "trials": args.facts_trials, "rows": rows}
 

@@ -15,7 +15,7 @@ def _peak_rows(run: Run, specs: List[dict], prefix: List[int]) -> dict:
     rows = []
     for spec in specs:
         peak = peak_bytes(run.model, spec, ids, build_cache(run.model, spec, run.options), prefix)
-        rows.append({**describe(spec), "peak_bytes": peak})
+        rows.append({**describe(spec, run.options), "peak_bytes": peak})
         print(f"peak    {spec['name']:47s} budget {str(spec['budget']):>5s}  {peak / 2**20:8.1f} MiB", flush=True)
     return {"tokens": len(ids), "rows": rows}
 

@@ -14,7 +14,7 @@ def measure(run: Run) -> dict:
     allocations = [p for p in args.allocations if p != "uniform"]  # uniform: the plain H2O rows
     for spec in cache_specs(run, args.budgets, not args.no_ablations, tuple(args.prefills), allocations):
         cache = build_cache(run.model, spec, run.options)
-        r = {**describe(spec), **streaming_ppl(run.model, cache, run.tokens(), args.chunk)}
+        r = {**describe(spec, run.options), **streaming_ppl(run.model, cache, run.tokens(), args.chunk)}
         rows.append(r)
         print(f"ppl  {r['name']:40s} budget {str(r['budget']):>5s}  {r['ppl']:9.3f}  ({r['seconds']:.0f}s)",
               flush=True)

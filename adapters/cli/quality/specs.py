@@ -4,7 +4,7 @@ how to build one."""
 
 from typing import List, Optional
 
-from h2o_fn import H2OConfig
+from h2o_fn import H2OConfig, Storage
 
 from ... import allocation
 from ...metrics import corpus_tokens
@@ -97,16 +97,24 @@ def build_cache(model, spec: dict, options: dict) -> list:
     if family is not None:
         return baselines.build(model, Baseline(family, budget=spec.get("budget"), keep=spec.get("keep", 0),
                                                bits=spec.get("bits"), group_size=spec.get("group_size", 64)))
-    if "bits" in spec:
-        options = {**options, "kv_bits": spec["bits"], "kv_group_size": spec.get("group_size", 64)}
+    kv = storage_of(spec, options)
+    options = {**options, "kv_bits": kv.bits, "kv_group_size": kv.group_size}
     return make_h2o_cache(model, spec["config"], budgets=spec.get("budgets"), **options)
 
 
-def describe(spec: dict) -> dict:
+def describe(spec: dict, options: dict) -> dict:
+    """`spec` as JSON: an H2O spec's config with the storage its cache takes (`build_cache`)."""
     out = {k: v for k, v in spec.items() if k != "config"}
     if "config" in spec:
-        out["config"] = spec["config"]._asdict()
+        out["config"] = {**spec["config"]._asdict(), **storage_of(spec, options).fields()}
     return out
+
+
+def storage_of(spec: dict, options: dict) -> Storage:
+    """The row storage of an H2O spec: its own "bits" (the frontier's), else the run's."""
+    if "bits" in spec:
+        return Storage(spec["bits"], spec.get("group_size", 64))
+    return Storage(options["kv_bits"], options["kv_group_size"])
 
 
 def vs(ppl: float, full: float) -> str:

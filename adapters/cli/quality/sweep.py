@@ -26,7 +26,8 @@ def measure(run: Run) -> dict:
         for c in h2o_caches(cache):
             c.weights_reduce = reduce  # the hook reads each cache's own reduction (adapters/attention.py)
         r = streaming_ppl(model, cache, run.tokens(), args.chunk)
-        rows.append({"name": label, "budget": budget, "config": cfg._asdict(), "gqa": reduce, **r})
+        rows.append({"name": label, "budget": budget, "config": common.policy_of(cfg, run.options).fields(),
+                     "gqa": reduce, **r})
         print(f"sweep {label:20s} budget {budget}  {r['ppl']:.3f}", flush=True)
     return {"command": run.command, "budget": budget, "full_ppl": full, "rows": rows}
 

@@ -1,0 +1,42 @@
+"""h2o_fn.softmax against float64 and mlx's own softmax: accuracy, edges, masking, shapes."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from h2o_fn.softmax import exp, softmax
+
+
+def ulps(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """|got - want| in float32 units in the last place of `want` (float64)."""
+    return np.abs(got.astype(np.float64) - want) / np.spacing(want.astype(np.float32)).astype(np.float64)
+
+
+def test_exp_is_within_one_ulp_of_float64_over_the_normal_range():
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.uniform(-87.3, 88.37, 200_000), rng.normal(0, 1, 50_000)]).astype(np.float32)
+    want = np.exp(x.astype(np.float64))
+    assert ulps(np.array(exp(mx.array(x))), want).max() <= 1.0
+
+
+def test_exp_edges():
+    x = mx.array([-mx.inf, -100.0, -87.31, 0.0, -0.0, 88.4, mx.inf, float("nan")])
+    got = np.array(exp(x))
+    assert got[:3].tolist() == [0.0, 0.0, 0.0]  # masked (-inf) and below the normal range weigh nothing
+    assert got[3] == got[4] == 1.0
+    assert np.isposinf(got[5]) and np.isposinf(got[6]) and np.isnan(got[7])
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 1, 7), (2, 3, 3, 1, 513), (1, 1, 4, 2049)])
+def test_softmax_agrees_with_mlx_and_masks_exactly(shape):
+    x = mx.random.normal(shape, key=mx.random.key(len(shape))) * 4
+    hidden = mx.random.uniform(shape=shape, key=mx.random.key(7)) < 0.3
+    masked = mx.where(hidden, -mx.inf, x)
+    got, want = softmax(masked), mx.softmax(masked, axis=-1, precise=True)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-5, atol=1e-7)
+    assert mx.all(mx.where(hidden, got == 0, True)).item()  # exactly 0, not 1e-38
+    np.testing.assert_allclose(np.array(got.sum(-1)), 1.0, rtol=1e-5)
+
+
+def test_a_row_with_nothing_visible_is_nan_as_in_mlx():
+    assert mx.all(mx.isnan(softmax(mx.full((1, 4), -mx.inf)))).item()
