@@ -13,11 +13,16 @@ from .state import H2OState
 from .storage import Storage
 
 
+def check_kv(state: H2OState, kv: Storage) -> None:
+    """Raise unless `kv` is how `state` stores its keys and values (`storage.check_store`)."""
+    storage.check_store(state.keys, kv, "keys")
+    storage.check_store(state.values, kv, "values")
+
+
 def check_chunk(state: H2OState, keys: mx.array, values: mx.array, kv: Storage,
                 n: Optional[int] = None) -> int:
     B, H, _ = state.positions.shape
-    storage.check_store(state.keys, kv, "keys")
-    storage.check_store(state.values, kv, "values")
+    check_kv(state, kv)
     widths = (("keys", keys, storage.width(state.keys, kv.bits)),
               ("values", values, storage.width(state.values, kv.bits)))
     for name, x, D in widths:

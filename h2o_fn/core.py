@@ -45,7 +45,7 @@ import mlx.core as mx
 
 from . import storage
 from .arrays import INT32_MAX, knob, per_row, scored_rows, stored_rows
-from .checks import check_chunk, check_weights
+from .checks import check_chunk, check_kv, check_weights
 from .config import H2OConfig
 from .rule import Argmin, evict, protected_argmin
 from .scoring import accumulate, proxy_weights
@@ -88,8 +88,7 @@ def admit(state: H2OState, key: mx.array, value: mx.array, kv: Storage = DENSE,
     written into the free slot, which stays free). The rule plays no part: only how
     rows are stored (`kv`).
     """
-    storage.check_store(state.keys, kv, "keys")
-    storage.check_store(state.values, kv, "values")
+    check_kv(state, kv)
     return _admit(state, key, value, kv, alive)[0]
 
 

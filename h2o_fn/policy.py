@@ -26,7 +26,7 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
-from . import core, prefill, rule
+from . import core, prefill, rule, storage
 from .config import H2OConfig
 from .prompt import Prompt
 from .state import H2OState
@@ -92,6 +92,4 @@ def policy(config: Optional[H2OConfig] = None, argmin: rule.Argmin = rule.protec
         raise TypeError(f"config is a {type(config).__name__}: expected an H2OConfig")
     if prompt is not None and not isinstance(prompt, Prompt):
         raise TypeError(f"prompt is a {type(prompt).__name__}: expected an h2o_fn.Prompt")
-    if kv is not None and not isinstance(kv, Storage):
-        raise TypeError(f"kv is a {type(kv).__name__}: expected an h2o_fn.Storage")
-    return Policy(config or H2OConfig(), argmin, prompt or Prompt(), kv or DENSE)
+    return Policy(config or H2OConfig(), argmin, prompt or Prompt(), DENSE if kv is None else storage.check(kv))
