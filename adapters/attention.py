@@ -14,6 +14,12 @@ they do, never by their class:
   `scored_queries(N)` = M < N (a prompt chunk scored by its last M queries) gets the
   weights of those M only, `[B, H, M, L]`, and the output from mlx-lm's own attention:
   memory linear in the chunk, not quadratic;
+- a cache whose `proxy_queries()` gives `(rows, visible)` (a key-scored decode token: its
+  key as a query, `[B, H, P, D]`, and the columns it may see, `[B, H, P, L]`) gets, on the
+  CPU, the attention computed explicitly with those rows in the same product as the
+  model's queries (the keys are read once for both), and their weights handed to
+  `cache.receive_proxy(weights)`. On a GPU mlx-lm's fused attention is faster than an
+  explicit one, so the hook falls through and the cache scores the key itself;
 - a cache with an `attention_mask(N, mask)` method may replace the mask mlx-lm built
   once per forward pass from layer 0 (layers whose kept rows differ from layer 0's);
 - every other cache falls through to the original function untouched.
@@ -59,12 +65,15 @@ def attention_with_weights(
     scale: float,
     mask: Union[None, str, mx.array] = None,
     sinks: Optional[mx.array] = None,
+    bits: Optional[int] = None,
+    group_size: int = 64,
 ) -> Tuple[mx.array, mx.array]:
     """Attention output and its weights, computed explicitly in float32.
 
     Args:
       queries: `[B, Hq, N, D]`; keys `[B, H, L, D]`, values `[B, H, L, Dv]` with Hq a
-        multiple of H (GQA).
+        multiple of H (GQA); with `bits`, mx.quantize's triples of those (multiplied
+        where they lie, as mlx-lm's quantized attention does).
       mask: None, "causal" (query i sees keys up to L - N + i), a boolean array
         (True = attend) or an additive array, broadcastable to `[B, Hq, N, L]`.
       sinks: optional `[Hq]` logits of an attention sink that takes mass but has no value.
@@ -72,15 +81,38 @@ def attention_with_weights(
     Returns:
       output `[B, Hq, N, Dv]` in the queries' dtype, weights `[B, Hq, N, L]` float32.
     """
+    out, weights, _ = _attend(queries, keys, values, scale, mask, sinks, bits, group_size)
+    return out, weights
+
+
+def attention_with_proxy(queries: mx.array, keys, values, scale: float, mask: Union[None, str, mx.array],
+                         rows: mx.array, visible: mx.array, bits: Optional[int] = None, group_size: int = 64):
+    """`attention_with_weights`' output, and the weights of `rows` `[B, H, P, D]` (float32,
+    already scaled) over the same keys, softmax over the columns `visible` `[B, H, P, L]`
+    marks (all hidden: NaN): `[B, H, P, L]` float32. Both come from one product with the
+    keys, so the keys are read once."""
+    out, _, proxy = _attend(queries, keys, values, scale, mask, None, bits, group_size, (rows, visible))
+    return out, proxy
+
+
+def _attend(queries, keys, values, scale, mask, sinks, bits, group_size, extra=None):
+    """(output, weights, the extra rows' weights or None): see `attention_with_proxy`."""
     B, Hq, N, D = queries.shape
-    H, L = keys.shape[1], keys.shape[2]
+    H, L = storage.parts(keys)[0].shape[1:3] if bits else keys.shape[1:3]
     if Hq % H:
         raise ValueError(f"{Hq} query heads is invalid for {H} KV heads: expected a multiple")
     rep = Hq // H
     # the rep query heads of a KV head as rows of one product: broadcasting the keys over
     # rep instead costs ~1.7x on mlx's CPU (it materialises the broadcast)
     q = (queries.astype(mx.float32) * scale).reshape(B, H, rep * N, D)
-    logits = (q @ keys.astype(mx.float32).swapaxes(-1, -2)).reshape(B, H, rep, N, L)
+    if extra is not None:
+        q = mx.concatenate([q, extra[0]], axis=2)
+    logits = storage.matmul_t(q, keys, bits, group_size)
+    proxy = None
+    if extra is not None:
+        proxy = softmax(mx.where(extra[1], logits[:, :, rep * N :], -mx.inf))
+        logits = logits[:, :, : rep * N]
+    logits = logits.reshape(B, H, rep, N, L)
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"mask={mask!r} is invalid: expected None, 'causal' or an array")
@@ -96,8 +128,8 @@ def attention_with_weights(
         weights = softmax(mx.concatenate([sink, logits], axis=-1))[..., 1:]
     else:
         weights = softmax(logits)  # h2o_fn.softmax: mlx's CPU exp is slow
-    out = weights.reshape(B, H, rep * N, L) @ values.astype(mx.float32)  # [B, H, rep N, Dv]
-    return out.reshape(B, Hq, N, -1).astype(queries.dtype), weights.reshape(B, Hq, N, L)
+    out = storage.matmul(weights.reshape(B, H, rep * N, L), values, bits, group_size)  # [B, H, rep N, Dv]
+    return out.reshape(B, Hq, N, -1).astype(queries.dtype), weights.reshape(B, Hq, N, L), proxy
 
 
 def _by_kv_head(mask: mx.array, H: int, rep: int) -> mx.array:
@@ -120,22 +152,40 @@ def per_kv_head(weights: mx.array, H: int, reduce: str = "mean") -> mx.array:
     return REDUCE[reduce](weights.reshape(B, H, Hq // H, N, L), axis=2)
 
 
+def _proxy_of(cache, queries, keys, sinks):
+    """The cache's key-proxy `(rows, visible)` where attending explicitly pays (on the CPU, no
+    sink) and the rows fit the product (the keys' heads, the queries' width), else None."""
+    if sinks is not None or mx.default_device() != mx.cpu or not hasattr(cache, "proxy_queries"):
+        return None
+    proxy = cache.proxy_queries()
+    k = storage.parts(keys)[0] if isinstance(keys, (tuple, list)) else keys
+    if proxy is None or proxy[0].shape[1] != k.shape[1] or proxy[0].shape[3] != queries.shape[3]:
+        return None
+    return proxy
+
+
 def _hook(original, reduce: str):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         own_mask = getattr(cache, "attention_mask", None)
         if own_mask is not None:
             mask = own_mask(queries.shape[2], mask)
-        if getattr(cache, "wants_weights", False) and cache.can_take(keys):
+        wants, proxy = getattr(cache, "wants_weights", False), _proxy_of(cache, queries, keys, sinks)
+        if (wants or proxy is not None) and cache.can_take(keys):
             bits, group = getattr(cache, "bits", None), getattr(cache, "group_size", 64)
             # keys and values as given to attention: arrays, or mx.quantize's triples (a list from some caches)
-            k, v = (storage.dense(tuple(x) if isinstance(x, list) else x, bits, group) for x in (keys, values))
+            k, v = (tuple(x) if isinstance(x, list) else x for x in (keys, values))
+            if not wants:
+                out, weights = attention_with_proxy(queries, k, v, scale, mask, *proxy, bits, group)
+                cache.receive_proxy(weights)
+                return out
             N = queries.shape[2]
             M = cache.scored_queries(N) if hasattr(cache, "scored_queries") else N
             if M < N:  # mlx-lm's attention for the output, explicit weights of the M that score
                 out = original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-                weights = attention_with_weights(queries[:, :, N - M :], k, v, scale, _last_rows(mask, M), sinks)[1]
+                weights = attention_with_weights(queries[:, :, N - M :], k, v, scale, _last_rows(mask, M), sinks,
+                                                 bits, group)[1]
             else:
-                out, weights = attention_with_weights(queries, k, v, scale, mask, sinks)
+                out, weights = attention_with_weights(queries, k, v, scale, mask, sinks, bits, group)
             how = getattr(cache, "weights_reduce", reduce)  # "none": every query head's weights
             cache.receive_weights(weights if how == "none" else per_kv_head(weights, cache.kv_heads, how))
             return out

@@ -40,7 +40,7 @@ from h2o_fn.metal_ops import protected_argmin
 from . import cache_state, staging
 from .cache_state import CacheState, Pending, Step
 
-__all__ = ["DEFAULT_CONFIG", "DEFAULT_PROMPT", "BatchH2OKVCache", "H2OKVCache", "Pending", "Step", "cache_policy",
+__all__ = ["DEFAULT_CONFIG", "DEFAULT_PROMPT", "BatchH2OKVCache", "H2OKVCache", "HookProtocol", "Pending", "Step", "cache_policy",
            "prompt_for"]
 
 # What make_h2o_cache and H2OKVCache use without a config, chosen from BENCHMARKS.md
@@ -69,7 +69,46 @@ def cache_policy(config: Optional[H2OConfig] = None, argmin=protected_argmin, pr
     return Policy(config or DEFAULT_CONFIG, argmin, prompt_for(config, prompt), Storage(kv_bits, kv_group_size))
 
 
-class H2OKVCache(_BaseCache):
+class HookProtocol(_BaseCache):
+    """What the attention hook (h2o_fn.adapters.attention) asks of an H2O cache, answered
+    from its `CacheState` (`self._s`) and `Policy` (`self.policy`): the weights it awaits
+    (query scoring) or the key proxy it offers (key scoring), and the mask its layer needs."""
+
+    wants_weights = property(lambda self: self._s.pending is not None and self._s.pending.key is None,
+                             doc="True while the attention weights of the last tokens are awaited.")
+    kv_heads = property(lambda self: cache_state.kv_heads(self._s))
+
+    def can_take(self, keys) -> bool:
+        """Whether attention over `keys` gives weights this cache can use (`cache_state.can_take`)."""
+        return cache_state.can_take(self._s, keys)
+
+    def scored_queries(self, N: int) -> int:
+        """How many of the last tokens' N queries the awaited weights must cover."""
+        return cache_state.scored_queries(self._s, self.policy, N)
+
+    def receive_weights(self, weights: mx.array) -> None:
+        """Attention weights `[B, H, M, L]` (GQA-reduced) over the rows last returned, of the
+        last M = `scored_queries(N)` queries."""
+        self._s = cache_state.receive(self._s, self.policy, weights)
+
+    def proxy_queries(self):
+        """The key proxy's `(rows, visible)` while a key-scored decode token waits, else None
+        (`cache_state.proxy_queries`): attention may compute its weights beside its own."""
+        return cache_state.proxy_queries(self._s, self.policy)
+
+    def receive_proxy(self, weights: mx.array) -> None:
+        """The key proxy's weights `[B, H, 1, span]`: the waiting token settled."""
+        self._s = cache_state.receive_proxy(self._s, self.policy, weights)
+
+    def attention_mask(self, N: int, mask):
+        """The mask this layer needs: mlx-lm builds one per forward pass from layer 0's
+        cache; a layer that keeps a different number of rows (per-layer budgets) gets its own."""
+        if isinstance(mask, mx.array) and mask.shape[-1] != self._s.span + N - 1:
+            return self.make_mask(N, return_array=True)
+        return mask
+
+
+class H2OKVCache(HookProtocol):
     """A fixed-budget KV cache that evicts the lowest-scoring unprotected token.
 
     Args:
@@ -153,8 +192,7 @@ class H2OKVCache(_BaseCache):
 
     def is_trimmable(self) -> bool:
         """Trimming is exact only while nothing has been evicted (staged tokens count as held)."""
-        cache_state.require_settled(self._s, "trim")
-        return self._s.lengths == self._s.seen
+        return self.ready("trim").lengths == self._s.seen
 
     def trim(self, n: int) -> int:
         if not self.is_trimmable():
@@ -171,8 +209,9 @@ class H2OKVCache(_BaseCache):
     def state(self):
         """`cache_state.to_arrays` then `meta_state` (mlx-lm 0.32 saves only `state`, so the
         config travels as its last element). mlx-lm evaluates `c.state` between prompt
-        chunks: reading it never changes the cache."""
-        return (*cache_state.to_arrays(self._s), self.meta_state)
+        chunks: reading it changes nothing the cache holds (a waiting key-scored
+        token is settled, as it would be at the next update)."""
+        return (*cache_state.to_arrays(self.ready("save")), self.meta_state)
 
     @state.setter
     def state(self, v):
@@ -188,41 +227,22 @@ class H2OKVCache(_BaseCache):
         state = cache_state.stack([c.settled("merge") for c in caches], policy)
         return _of(BatchH2OKVCache, policy, state)
 
-    # ------------------------------------------------------------ the hook's protocol
-
-    wants_weights = property(lambda self: self._s.pending is not None,
-                             doc="True while the attention weights of the last tokens are awaited.")
-    kv_heads = property(lambda self: cache_state.kv_heads(self._s))
-
-    def can_take(self, keys) -> bool:
-        """Whether attention over `keys` gives weights this cache can use (`cache_state.can_take`)."""
-        return cache_state.can_take(self._s, keys)
-
-    def scored_queries(self, N: int) -> int:
-        """How many of the last tokens' N queries the awaited weights must cover."""
-        return cache_state.scored_queries(self._s, self.policy, N)
-
-    def receive_weights(self, weights: mx.array) -> None:
-        """Attention weights `[B, H, M, L]` (GQA-reduced) over the rows last returned, of the
-        last M = `scored_queries(N)` queries."""
-        self._s = cache_state.receive(self._s, self.policy, weights)
-
-    def attention_mask(self, N: int, mask):
-        """The mask this layer needs: mlx-lm builds one per forward pass from layer 0's
-        cache; a layer that keeps a different number of rows (per-layer budgets) gets its own."""
-        if isinstance(mask, mx.array) and mask.shape[-1] != self._s.span + N - 1:
-            return self.make_mask(N, return_array=True)
-        return mask
-
     # ------------------------------------------------------------ what H2O adds
 
     def flush(self) -> None:
         """Score and evict the staged decode tokens now (`evict_every` > 1)."""
         self._s = cache_state.flush(self._s, self.policy)
 
-    def settled(self, what: str) -> CacheState:
-        """The state with staged tokens scored; raises, naming `what`, while weights are pending."""
+    def ready(self, what: str) -> CacheState:
+        """The state with a waiting key-scored token settled (`cache_state.settle_proxy`);
+        raises, naming `what`, while attention weights are pending."""
+        self._s = cache_state.settle_proxy(self._s, self.policy)
         cache_state.require_settled(self._s, what)
+        return self._s
+
+    def settled(self, what: str) -> CacheState:
+        """`ready`, and the staged tokens scored."""
+        self.ready(what)
         self.flush()
         return self._s
 
@@ -255,8 +275,7 @@ class H2OKVCache(_BaseCache):
     @property
     def core_state(self) -> Optional[H2OState]:
         """The pure state, for inspection (`h2o_fn.kept_positions(cache.core_state)`)."""
-        cache_state.require_settled(self._s, "inspect")
-        return self._s.core
+        return self.ready("inspect").core
 
     # ------------------------------------------------------------ caches in lockstep
 
@@ -267,7 +286,9 @@ class H2OKVCache(_BaseCache):
 
     @property
     def layer_state(self) -> CacheState:
-        """The whole state, as it is (immutable; `core_state` is its settled core)."""
+        """The whole state (immutable; `core_state` is its settled core), a waiting
+        key-scored token settled (`cache_state.settle_proxy`)."""
+        self._s = cache_state.settle_proxy(self._s, self.policy)
         return self._s
 
 
@@ -335,8 +356,7 @@ class BatchH2OKVCache(H2OKVCache):
 
     def filter(self, batch_indices):
         """Keep only the batch rows `batch_indices` (in that order); staged decode tokens stay staged."""
-        cache_state.require_settled(self._s, "filter")
-        self._s = cache_state.take_batch(self._s, [int(i) for i in batch_indices])
+        self._s = cache_state.take_batch(self.ready("filter"), [int(i) for i in batch_indices])
         self._view = None
 
     def extend(self, other: "BatchH2OKVCache"):
@@ -350,8 +370,7 @@ class BatchH2OKVCache(H2OKVCache):
 
     def extract(self, idx: int) -> H2OKVCache:
         """Batch row `idx` as a single-prompt cache (its staged decode tokens stay staged)."""
-        cache_state.require_settled(self._s, "extract")
-        row = cache_state.take_batch(self._s, [idx])
+        row = cache_state.take_batch(self.ready("extract"), [idx])
         state = CacheState(every=self.evict_every) if self._s.core is None else row._replace(to_come=None)
         return _of(H2OKVCache, self.policy, state)
 

@@ -34,7 +34,8 @@ from . import staging
 
 
 class Pending(NamedTuple):
-    """Query scoring: what the weights of this forward pass complete."""
+    """What the weights of this forward pass complete: the model's attention weights (query
+    scoring), or the key proxy's (`key` set: a decode token scored by its own key)."""
 
     state: H2OState  # decode: the state with the token admitted; chunk: the state before it
     keys: Optional[mx.array]  # [B, H, N, Dk] chunk tokens (None for one decode token)
@@ -42,6 +43,7 @@ class Pending(NamedTuple):
     span: int  # slots in the view (the weights cover span + N - 1 columns)
     alive: Optional[mx.array]  # decode: [B] bool; chunk: [B] int32 real tokens; None: all
     staged: bool = False  # decode: a staged token (every > 1), weights kept for the chunk
+    key: Optional[mx.array] = None  # key scoring: the token's key [B, H, 1, Dk] (the proxy's query)
 
 
 class Step(NamedTuple):
@@ -78,6 +80,7 @@ def slots(s: CacheState, config: H2OConfig) -> int:
 def update(s: CacheState, policy: Policy, keys: mx.array, values: mx.array):
     """Store `keys`/`values` `[B, H, N, D]`: (the new state, the view `[B, H, L, D]` for
     attention, L = view span + N - 1)."""
+    s = settle_proxy(s, policy)
     if s.pending is not None:
         raise RuntimeError(
             "an H2O cache (scoring='query') got new tokens before the attention weights of the "
@@ -110,11 +113,9 @@ def update(s: CacheState, policy: Policy, keys: mx.array, values: mx.array):
 
 
 def _decode(s, policy, keys, values, span, alive):
-    if policy.config.scoring == "key":
-        state = policy.step(s.core, keys, values, None, alive)
-        return s._replace(core=state), view.view(state, span)
     admitted = policy.admit(s.core, keys, values, alive)  # the view reads the written row
-    return s._replace(pending=Pending(admitted, None, None, span, alive)), view.view(admitted, span)
+    key = keys if policy.config.scoring == "key" else None  # the proxy: from the hook, else `settle_proxy`
+    return s._replace(pending=Pending(admitted, None, None, span, alive, key=key)), view.view(admitted, span)
 
 
 def _chunk(s, policy, keys, values, span, alive):
@@ -181,6 +182,37 @@ def receive(s: CacheState, policy: Policy, weights: mx.array) -> CacheState:
     state = policy.absorb(p.state, p.keys, p.values, view.view_weights(p.state, weights, p.span), p.alive)
     mx.eval(state)  # a chunk: left lazy, every layer's chunk rows would live until the pass ends
     return s._replace(core=state)
+
+
+def proxy_queries(s: CacheState, policy: Policy):
+    """What the key proxy of the awaited decode token attends with, for attention to compute
+    beside its own queries: `(rows [B, H, 1, Dk] float32 scaled by 1/sqrt(Dk), visible
+    [B, H, 1, span] bool)`; None unless a key-scored token waits."""
+    p = s.pending
+    if p is None or p.key is None:
+        return None
+    return view.proxy_query(p.state, p.key, p.span, p.alive, policy.kv)
+
+
+def receive_proxy(s: CacheState, policy: Policy, weights: mx.array) -> CacheState:
+    """The key proxy's weights `[B, H, 1, span]` over the view last returned (softmax over the
+    visible columns of `proxy_queries`): the awaited key-scored token settled."""
+    p = s.pending
+    if p is None or p.key is None:
+        raise RuntimeError("an H2O cache got key-proxy weights but has no key-scored token waiting")
+    B, H = p.state.positions.shape[:2]
+    if tuple(weights.shape) != (B, H, 1, p.span):
+        raise ValueError(f"weights shape {tuple(weights.shape)} is invalid: expected ({B}, {H}, 1, {p.span})")
+    return s._replace(core=policy.settle(p.state, view.decode_weights(weights, p.state), p.alive), pending=None)
+
+
+def settle_proxy(s: CacheState, policy: Policy) -> CacheState:
+    """The awaited key-scored token settled by the core's own key proxy (`settle_key`), when
+    attention did not hand its weights over (no hook, another device, an attention sink)."""
+    p = s.pending
+    if p is None or p.key is None:
+        return s
+    return s._replace(core=policy.settle_key(p.state, p.key, p.alive), pending=None)
 
 
 def flush(s: CacheState, policy: Policy) -> CacheState:

@@ -129,9 +129,10 @@ def make_h2o_cache(
         `kv_group_size` do (`h2o_fn.Storage`; default None: the model's dtype). mlx-lm
         then attends through its quantized attention.
 
-    What it installs: for `scoring="query"`, and for per-layer budgets of different
-    sizes, the attention hook on the model's modules (`h2o_fn.adapters.attention`;
-    `remove_query_hook(model)` takes it off; it falls through for every other cache).
+    What it installs: the attention hook on the model's modules (`h2o_fn.adapters.attention`;
+    `remove_query_hook(model)` takes it off; it falls through for every other cache). Query
+    scoring and per-layer budgets of different sizes need it; key scoring uses it on the CPU
+    to compute its proxy in attention's own product, and scores the key itself without it.
     With query scoring it runs one probe token through throwaway caches (a lazy graph,
     never evaluated) to see which layers hand their weights to the hook; layers that
     cannot (attention outside mlx-lm's `scaled_dot_product_attention`, heads the cache
@@ -197,9 +198,9 @@ def plan_layers(model: nn.Module, config: Optional[H2OConfig] = None,
                 kv: Storage = Storage()) -> List[H2OConfig]:
     """Plan the H2O layers of `model`: the config of each, in layer order (see
     `make_h2o_cache`), per-layer budgets applied and key scoring where the hook cannot see
-    the weights. Not a pure query: for query scoring or per-layer budgets it installs the
-    attention hook on the model's modules, and for query scoring it runs one probe token
-    through throwaway caches to find the layers whose weights never reach the hook."""
+    the weights. Not a pure query: it installs the attention hook on the model's modules, and
+    for query scoring it runs one probe token through throwaway caches to find the layers
+    whose weights never reach the hook."""
     config = config or DEFAULT_CONFIG
     n = _leaders(_model_caches(model))
     if n == 0:
@@ -213,12 +214,11 @@ def plan_layers(model: nn.Module, config: Optional[H2OConfig] = None,
         raise ValueError(f"budgets has {len(budgets)} entries: expected one per H2O layer ({n})")
     configs = [config] * n if budgets is None else [_at_budget(config, b, i) for i, b in enumerate(budgets)]
     uniform = len({c.budget for c in configs}) == 1
-    if config.scoring == "query" or not uniform:
-        if install_query_hook(model) == 0 and not uniform:
-            raise ValueError(
-                f"per-layer budgets need the attention hook, and {type(model).__name__} does not "
-                "call mlx_lm.models.base.scaled_dot_product_attention: use one budget"
-            )
+    if install_query_hook(model) == 0 and not uniform:
+        raise ValueError(
+            f"per-layer budgets need the attention hook, and {type(model).__name__} does not "
+            "call mlx_lm.models.base.scaled_dot_product_attention: use one budget"
+        )
     if config.scoring == "query":
         deaf = _layers_without_weights(model, configs, argmin, kv) if is_hooked(model) else list(range(n))
         if deaf:

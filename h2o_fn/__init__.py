@@ -23,11 +23,13 @@ from .core import (
     admit,
     compiled_admit,
     compiled_settle,
+    compiled_settle_key,
     compiled_step,
     init,
     kept_positions,
     rewind,
     settle,
+    settle_key,
     step,
 )
 from .prefill import absorb, absorb_scored, absorb_staged, compiled_absorb, compiled_absorb_staged, pooled
@@ -58,6 +60,7 @@ __all__ = [
     "compiled_absorb_staged",
     "compiled_admit",
     "compiled_settle",
+    "compiled_settle_key",
     "compiled_step",
     "evict",
     "evict_lowest",
@@ -71,6 +74,7 @@ __all__ = [
     "rewind",
     "scored_queries",
     "settle",
+    "settle_key",
     "state_nbytes",
     "step",
 ]

@@ -31,6 +31,13 @@ def per_row(x: mx.array, ndim: int = 3) -> mx.array:
     return x.reshape(x.shape[0], *([1] * (ndim - 1))) if x.ndim == 1 else x
 
 
+def newest_slots(positions: mx.array, seen: mx.array, alive=None) -> mx.array:
+    """`[B, H, C]` bool: the slot of each row's newest token (position seen - 1), in the rows
+    that took one (`alive` `[B]`; a row that sat the token out has no newest)."""
+    newest = positions == per_row(seen - 1)
+    return newest if alive is None else newest & per_row(alive)
+
+
 def as_dtype(x: mx.array, dtype) -> mx.array:
     return x if x.dtype == dtype else x.astype(dtype)
 

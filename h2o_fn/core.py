@@ -1,4 +1,4 @@
-"""The pure H2O core, token by token: `init`, `admit`, `step`, `settle`, `rewind`.
+"""The pure H2O core, token by token: `init`, `admit`, `step`, `settle`, `settle_key`, `rewind`.
 
 Every function takes an `H2OState` and returns a new one; nothing is mutated. The
 rest of the core sits beside it, one module per concern, each with its plain twin
@@ -44,7 +44,7 @@ from typing import Optional
 import mlx.core as mx
 
 from . import storage
-from .arrays import INT32_MAX, knob, per_row, scored_rows, stored_rows
+from .arrays import INT32_MAX, knob, newest_slots, per_row, scored_rows, stored_rows
 from .checks import check_chunk, check_kv, check_weights
 from .config import H2OConfig
 from .rule import Argmin, evict, protected_argmin
@@ -151,7 +151,23 @@ def step(
         own = mx.arange(free_before.shape[-1]) == first_free
         w = mx.where(own, weights[..., 0, -1:], weights[..., 0, :-1])
         return settle(admitted, w, config, argmin, alive)
-    w = proxy_weights(admitted.keys, ~free_before, scored_rows(key, state.keys, kv), kv)
+    return _by_key(admitted, free_before, key, config, argmin, alive, kv)
+
+
+def settle_key(admitted: H2OState, key: mx.array, config: H2OConfig, argmin: Argmin = protected_argmin,
+               alive: Optional[mx.array] = None, kv: Storage = DENSE) -> H2OState:
+    """The rest of a key-scored step once `admit` wrote the token `[B, H, 1, D]`: its key
+    (as stored) scores the tokens kept before it, then decay-add and evict. `step` with
+    scoring="key" is `admit` then this; an adapter that attends between the two calls it
+    when nothing handed it the proxy's weights (`settle` takes them when something did)."""
+    check_kv(admitted, kv)
+    newest = newest_slots(admitted.positions, admitted.seen, alive)
+    return _by_key(admitted, (admitted.positions < 0) | newest, key, config, argmin, alive, kv)
+
+
+def _by_key(admitted, hidden, key, config, argmin, alive, kv):
+    """Settle `admitted` with the key proxy of `key` over the slots not `hidden` `[B, H, C]`."""
+    w = proxy_weights(admitted.keys, ~hidden, scored_rows(key, admitted.keys, kv), kv)
     if alive is not None:
         return settle(admitted, w[..., 0, :], config, argmin, alive)
     # proxy weights are exactly 0 on free slots and on the new token: no mask needed
@@ -179,6 +195,12 @@ def compiled_step(config: H2OConfig, argmin: Argmin = protected_argmin, kv: Stor
         return step(state, key, value, config, weights, argmin, alive, kv)
 
     return mx.compile(one)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_settle_key(config: H2OConfig, argmin: Argmin = protected_argmin, kv: Storage = DENSE):
+    """`settle_key` for a fixed config, op and storage under `mx.compile`: `fn(admitted, key, alive=None)`."""
+    return mx.compile(lambda admitted, key, alive=None: settle_key(admitted, key, config, argmin, alive, kv))
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,7 +4,7 @@ optax's `GradientTransformation` pairs `init` with `update`; a `Policy` pairs an
 `H2OConfig` (the rule) with its eviction op (`argmin`), its prefill policy (`prompt`,
 SnapKV's window and pooling) and its row storage (`kv`, `h2o_fn.Storage`), and offers
 the core's transitions with all four bound:
-`init`, `step`, `admit`, `settle`, `absorb`, `absorb_staged`. Decode-sized calls go
+`init`, `step`, `admit`, `settle`, `settle_key`, `absorb`, `absorb_staged`. Decode-sized calls go
 through `mx.compile` (one trace per config, op, storage and shape); `absorb` stays eager,
 since prompt chunks come in many lengths. A `Policy` holds no compiled function
 (they are looked up in the core's caches), so it pickles and deep-copies.
@@ -67,6 +67,10 @@ class Policy(NamedTuple):
     def settle(self, admitted: H2OState, weights: mx.array, alive: Optional[mx.array] = None) -> H2OState:
         """Finish an admitted token's step with its weights `[B, H, C]`, compiled (`core.settle`)."""
         return core.compiled_settle(self.config, self.argmin)(admitted, weights, alive)
+
+    def settle_key(self, admitted: H2OState, key: mx.array, alive: Optional[mx.array] = None) -> H2OState:
+        """Finish an admitted token's key-scored step with its key `[B, H, 1, D]`, compiled (`core.settle_key`)."""
+        return core.compiled_settle_key(self.config, self.argmin, self.kv)(admitted, key, alive)
 
     def absorb(self, state: H2OState, keys: mx.array, values: mx.array, weights: Optional[mx.array] = None,
                n_alive: Optional[mx.array] = None) -> H2OState:

@@ -144,6 +144,20 @@ def settle(admitted: RefState, weights, config, argmin=None, alive=None) -> RefS
     return evict(accumulate(admitted, weights, config, alive), config)
 
 
+def settle_key(admitted: RefState, key, config, argmin=None, alive=None, kv=None) -> RefState:
+    """The rest of a key-scored step: each alive row's newest token (the last admitted) scores
+    the tokens before it with `key` `[B, H, 1, D]` (as stored), then evict."""
+    del argmin, kv
+    state = _copy(admitted)
+    key = np.asarray(key, np.float64)
+    for b, row in enumerate(state.heads):
+        if _alive(alive, b):
+            for h, head in enumerate(row):
+                for t, w in zip(head[:-1], _softmax_weights(head[:-1], key[b, h, 0])):
+                    t.score = config.decay * t.score + w
+    return evict(state, config)
+
+
 def _one_token(head, key, value, position, config, weight_of=None):
     """Steps 1-4 for one head; `weight_of(p)` gives query weights (None: key proxy)."""
     if weight_of is None:

@@ -147,6 +147,16 @@ def matmul_t(x: mx.array, store: Store, bits: Optional[int], group_size: int) ->
                                group_size=group_size, bits=bits)
 
 
+def matmul(w: mx.array, store: Store, bits: Optional[int], group_size: int) -> mx.array:
+    """`w` `[..., N, C]` float32 times every row: `w @ rows`, `[..., N, D]` float32 (quantized
+    rows multiplied where they lie, as `matmul_t`)."""
+    if not is_quantized(store):
+        return w @ (store if store.dtype == mx.float32 else store.astype(mx.float32))
+    packed, scales, biases = store
+    return mx.quantized_matmul(w, packed, scales.astype(mx.float32), biases.astype(mx.float32), transpose=False,
+                               group_size=group_size, bits=bits)
+
+
 def empty(shape: Tuple[int, int, int], dim: int, dtype, bits: Optional[int], group_size: int) -> Store:
     """Zero rows for `shape` = (B, H, C) slots of width `dim`."""
     if bits is not None:

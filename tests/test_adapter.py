@@ -59,10 +59,12 @@ def test_logits_equal_the_full_cache_when_nothing_is_evicted(arch, scoring, pref
     with query_scoring(model):
         cache = make_h2o_cache(model, H2OConfig(budget=64, n_sink=2, grace=4, scoring=scoring, prefill=prefill))
         h2o = run(model, cache)
-    if scoring == "key":
-        assert mx.array_equal(h2o, full)
-    else:  # explicit float32 attention instead of the fused kernel
-        assert mx.allclose(h2o, full, atol=1e-4, rtol=1e-4)
+    # explicit float32 attention instead of the fused kernel (key scoring: on decode tokens, the CPU)
+    assert mx.allclose(h2o, full, atol=1e-4, rtol=1e-4)
+    if scoring == "key":  # without the hook, mlx-lm's own attention: the same logits
+        bare = make_h2o_cache(model, H2OConfig(budget=64, n_sink=2, grace=4, scoring=scoring, prefill=prefill))
+        remove_query_hook(model)
+        assert mx.array_equal(run(model, bare), full)
     managed = h2o_caches(cache)
     assert managed and all(c.tokens_kept == c.tokens_seen == sum(CHUNKS) for c in managed)
     if arch == "gemma3":
@@ -76,6 +78,56 @@ def llama32():
     remove_query_hook(model)
 
 
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_key_scoring_in_the_hook_keeps_what_the_core_keeps(llama32, kv_bits):
+    """Under the hook (on the CPU) a key-scored decode token's proxy is computed in attention's
+    own product and handed to the cache; without it the cache scores the key itself at the
+    next update. Both keep the same tokens with the same scores (to float rounding)."""
+    cfg = H2OConfig(budget=12, n_sink=2, grace=3, scoring="key")
+    hooked = make_h2o_cache(llama32, cfg, kv_bits=kv_bits, kv_group_size=32)
+    run(llama32, hooked)
+    assert all(c.proxy_queries() is None for c in h2o_caches(hooked))  # the hook settled each one
+    bare = make_h2o_cache(llama32, cfg, kv_bits=kv_bits, kv_group_size=32)
+    remove_query_hook(llama32)
+    run(llama32, bare)
+    assert all(c.proxy_queries() is not None for c in h2o_caches(bare))  # the last token still waits
+    for a, b in zip(h2o_caches(hooked), h2o_caches(bare)):
+        assert a.tokens_seen == b.tokens_seen == sum(CHUNKS) and a.tokens_kept == cfg.budget
+        assert kept_positions(a.core_state).tolist() == kept_positions(b.core_state).tolist()
+        assert mx.allclose(a.core_state.scores, b.core_state.scores, atol=1e-5)
+        assert_invariants(a.core_state, cfg)
+
+
+def test_a_waiting_key_scored_token_settles_like_a_step():
+    """`settle_proxy` (no hook) and `receive_proxy` (the proxy's softmax over the view) give
+    the state `core.step` gives."""
+    from h2o_fn import policy as make_policy
+    from h2o_fn.adapters import cache_state
+    from h2o_fn.softmax import softmax
+
+    p = make_policy(H2OConfig(budget=6, n_sink=1, grace=2, scoring="key"))
+    s = cache_state.CacheState()
+    keys = mx.random.normal((2, 3, 12, 8), key=mx.random.key(1))
+    s, _ = cache_state.update(s, p, keys[:, :, :9], keys[:, :, :9])
+    for i in range(9, 12):
+        before = s.core
+        s, (k, _) = cache_state.update(s, p, keys[:, :, i : i + 1], keys[:, :, i : i + 1])
+        want = step(before, keys[:, :, i : i + 1], keys[:, :, i : i + 1], p.config)
+        rows, visible = cache_state.proxy_queries(s, p)
+        assert rows.shape == (2, 3, 1, 8) and visible.shape == (2, 3, 1, k.shape[2])
+        weights = softmax(mx.where(visible, rows @ k.swapaxes(-1, -2), -mx.inf))
+        for got in (cache_state.settle_proxy(s, p), cache_state.receive_proxy(s, p, weights)):
+            assert got.pending is None
+            assert mx.array_equal(got.core.positions, want.positions)
+            assert mx.allclose(got.core.scores, want.scores, atol=1e-6)
+        s = cache_state.settle_proxy(s, p)
+    with pytest.raises(RuntimeError, match="no key-scored token waiting"):
+        cache_state.receive_proxy(s, p, weights)
+    with pytest.raises(ValueError, match="weights shape"):
+        s, _ = cache_state.update(s, p, keys[:, :, :1], keys[:, :, :1])
+        cache_state.receive_proxy(s, p, weights[..., :-1])
+
+
 @pytest.mark.parametrize("scoring", ["key", "query"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_rows_give_mlx_lm_quantized_cache_logits(llama32, scoring, bits):
@@ -85,10 +137,12 @@ def test_quantized_rows_give_mlx_lm_quantized_cache_logits(llama32, scoring, bit
     cfg = H2OConfig(budget=64, n_sink=2, grace=4, scoring=scoring)
     cache = make_h2o_cache(llama, cfg, kv_bits=bits, kv_group_size=32)
     h2o = run(llama, cache)
-    if scoring == "key":  # the same quantized rows, the same mlx-lm attention path
-        assert mx.array_equal(h2o, quantized)
-    else:  # explicit float32 attention over the dequantized rows
-        assert mx.allclose(h2o, quantized, atol=2e-3, rtol=2e-3)
+    # the hook's explicit attention over the same quantized rows (key scoring: decode tokens, on the CPU)
+    assert mx.allclose(h2o, quantized, atol=2e-3, rtol=2e-3)
+    if scoring == "key":  # without the hook: the same rows, the same mlx-lm attention path
+        bare = make_h2o_cache(llama, cfg, kv_bits=bits, kv_group_size=32)
+        remove_query_hook(llama)
+        assert mx.array_equal(run(llama, bare), quantized)
     assert cache[0].bits == bits and cache[0].group_size == 32
     unquantized = make_h2o_cache(llama, cfg)
     run(llama, unquantized)

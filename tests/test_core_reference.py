@@ -176,6 +176,17 @@ def twin_settle(data, cfg, kv):
     return h2o_fn.settle(s, _slot_weights(s, w[:, :, 0]), cfg), ref.settle(r, w[:, :, 0], cfg)
 
 
+def twin_settle_key(data, cfg, kv):
+    shape, s, r = _prefix(data, cfg, kv)
+    k, v, _ = _token(data, shape)
+    alive = _alive(data, shape.B)
+    a = None if alive is None else mx.array(alive)
+    s = h2o_fn.admit(s, mx.array(k), mx.array(v), kv, a)
+    r = ref.admit(r, as_stored(k, kv), as_stored(v, kv), kv, alive)
+    return (h2o_fn.settle_key(s, mx.array(k), cfg, alive=a, kv=kv),
+            ref.settle_key(r, as_stored(k, kv), cfg, alive=alive, kv=kv))
+
+
 def twin_step(data, cfg, kv):
     shape, s, r = _prefix(data, cfg, kv)
     k, v, w = _token(data, shape)

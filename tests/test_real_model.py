@@ -52,12 +52,15 @@ def run(model, cache, tokens, chunks=CHUNKS):
 def test_smollm2_logits_equal_kvcache_when_nothing_is_evicted(smollm, tokens, scoring):
     model, _ = smollm
     full = run(model, [KVCache() for _ in model.layers], tokens)
-    h2o = run(model, make_h2o_cache(model, H2OConfig(budget=64, n_sink=4, grace=16, scoring=scoring)), tokens)
-    if scoring == "key":
-        assert mx.array_equal(h2o, full)
-    else:
-        assert mx.allclose(h2o, full, atol=1e-3, rtol=1e-4)
-        assert mx.array_equal(mx.argmax(h2o, -1), mx.argmax(full, -1))
+    cfg = H2OConfig(budget=64, n_sink=4, grace=16, scoring=scoring)
+    h2o = run(model, make_h2o_cache(model, cfg), tokens)
+    # the hook's explicit float32 attention (key scoring: on decode tokens, on the CPU)
+    assert mx.allclose(h2o, full, atol=1e-3, rtol=1e-4)
+    assert mx.array_equal(mx.argmax(h2o, -1), mx.argmax(full, -1))
+    if scoring == "key":  # without the hook, mlx-lm's own attention: the same logits
+        bare = make_h2o_cache(model, cfg)
+        remove_query_hook(model)
+        assert mx.array_equal(run(model, bare, tokens), full)
 
 
 @pytest.mark.parametrize("prefill", ["greedy", "oneshot"])

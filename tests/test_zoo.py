@@ -57,6 +57,13 @@ def test_key_scoring_is_a_drop_in_and_bounds_memory(model, request):
     ids = tokens(name)
     full = run(model, make_prompt_cache(model), ids)
     cache = make_h2o_cache(model, H2OConfig(budget=64, n_sink=2, grace=4, scoring="key"))
+    # decode tokens attend through the hook's explicit attention (on the CPU) with the proxy in its
+    # product, or (sinks, attention of the model's own) mlx-lm's, the cache scoring the key itself
+    got = run(model, cache, ids)
+    assert mx.allclose(got, full, atol=2e-3, rtol=2e-3) or not finite_where_expected(name, full)
+    remove_query_hook(model)  # mlx-lm's own attention: the same logits
+    cache = make_h2o_cache(model, H2OConfig(budget=64, n_sink=2, grace=4, scoring="key"))
+    remove_query_hook(model)
     assert mx.array_equal(run(model, cache, ids), full), "logits differ from mlx-lm's cache"
     tight = H2OConfig(budget=6, n_sink=1, grace=2, scoring="key")
     cache = make_h2o_cache(model, tight)
