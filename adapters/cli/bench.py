@@ -5,7 +5,9 @@
   mlx-lm's KVCache and RotatingKVCache, at budgets 128..2048.
 - decode: model decode tokens/s after a 1k/4k/8k-token context: full KVCache,
   RotatingKVCache and H2O (key, query) at one budget. H2O's step should stay
-  flat as the context grows; the full cache's grows with it.
+  flat as the context grows; the full cache's grows with it. With --explicit-baseline,
+  also the rotating cache attending through the hook's explicit attention (what H2O's
+  caches attend with on the CPU): how much of a ratio is the attention, not the cache.
 - prefill: a 4,096-token prompt at budget 512: full vs H2O greedy vs oneshot.
 - profile: where a compiled decode step's time goes, part by part (the core's public
   parts: admit, key_weights, protected_argmin, evict, step).
@@ -17,6 +19,7 @@ Writes results/bench/{bench.json, bench.md}.
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -24,6 +27,7 @@ import time
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import RotatingKVCache
 
 from h2o_fn import (
     absorb,
@@ -39,6 +43,7 @@ from h2o_fn import (
 )
 from h2o_fn.softmax import exp as fast_exp
 
+from .. import attention
 from ..attention import query_scoring
 from ..metrics import corpus_tokens
 from ..mlx_lm import DEFAULT_PROMPT, H2OKVCache, make_h2o_cache
@@ -254,12 +259,36 @@ def decode_rate(model, cache, start: int, steps: int, warm: int = 8) -> float:
     return (time.perf_counter() - t) / steps
 
 
+class ExplicitRotating(RotatingKVCache):
+    """A RotatingKVCache that attends through the hook's explicit attention (under
+    `explicit_attention`): the rotating baseline with the attention H2O's caches use."""
+
+
+@contextlib.contextmanager
+def explicit_attention(model):
+    """Inside the block, `ExplicitRotating` caches of `model` attend with
+    `attention.attention_with_weights`; every other cache as before."""
+    saved = [(m, getattr(m, attention.NAME)) for m in attention.model_modules(model)]
+    for module, inner in saved:
+        def sdpa(queries, keys, values, cache, scale, mask, sinks=None, inner=inner):
+            if isinstance(cache, ExplicitRotating):
+                return attention.attention_with_weights(queries, keys, values, scale, mask, sinks)[0]
+            return inner(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+        setattr(module, attention.NAME, sdpa)
+    try:
+        yield model
+    finally:
+        for module, inner in saved:
+            setattr(module, attention.NAME, inner)
+
+
 def caches_at(model, policy, budget: int, kv_bits: Optional[int], group_size: int,
-              evict_every: Sequence[int] = ()) -> dict:
+              evict_every: Sequence[int] = (), explicit: bool = False) -> dict:
     """name -> a function building that cache: the decode section's rows.
 
     `policy(budget, **changes)` gives the H2O config; the rotating baseline keeps as many
-    first tokens as its n_sink."""
+    first tokens as its n_sink. `explicit`: add `ExplicitRotating` (needs `explicit_attention`)."""
     key, query = policy(budget, scoring="key"), policy(budget, scoring="query")
     rotating = Baseline("rotating", budget=budget, keep=key.n_sink)
     out = {
@@ -268,6 +297,9 @@ def caches_at(model, policy, budget: int, kv_bits: Optional[int], group_size: in
         f"H2O key ({budget})": lambda: h2o_cache(model, key),
         f"H2O query ({budget})": lambda: h2o_cache(model, query),
     }
+    if explicit:
+        out[f"{rotating.name}, explicit attention"] = lambda: [
+            ExplicitRotating(max_size=budget, keep=key.n_sink) for _ in model.layers]
     for k in evict_every:  # decode tokens scored k at a time
         out[f"H2O key ({budget}, evict_every {k})"] = lambda k=k: h2o_cache(model, key, evict_every=k)
         out[f"H2O query ({budget}, evict_every {k})"] = lambda k=k: h2o_cache(model, query, evict_every=k)
@@ -438,6 +470,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=1,
                         help="decode: R > 1 keeps every cache alive and times R rounds of --steps with each "
                         "in turn (the median round; the machine's drift falls on all alike); default 1")
+    parser.add_argument("--explicit-baseline", action="store_true",
+                        help="decode: add the rotating cache attending through the hook's explicit attention "
+                             "(what H2O's caches attend with on the CPU)")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size before decode")
     parser.add_argument("--prefill-tokens", type=int, default=4096, help="prompt length of prefill")
     parser.add_argument("--prefill-chunk", type=int, default=2048, help="mlx-lm's default prefill_step_size")
@@ -465,10 +500,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         model, tokenizer = common.load_or_exit("bench", args.model, dequantize=not args.quantized)
         need = max(args.contexts + [args.prefill_tokens]) + 1
         tokens = corpus_tokens(tokenizer, need)
-        with query_scoring(model):  # the hook lives for this command only
+        with explicit_attention(model), query_scoring(model):  # the hooks live for this command only
             if "decode" in args.what:
                 caches = caches_at(model, policy, args.budget, args.kv_bits, args.kv_group_size,
-                                   args.evict_every_rows)
+                                   args.evict_every_rows, args.explicit_baseline)
                 results["decode"] = {
                     "budget": args.budget,
                     "chunk": args.chunk,
