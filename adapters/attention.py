@@ -14,11 +14,10 @@ they do, never by their class:
   `scored_queries(N)` = M < N (a prompt chunk scored by its last M queries) gets the
   weights of those M only, `[B, H, M, L]`, and the output from mlx-lm's own attention:
   memory linear in the chunk, not quadratic;
-- a cache whose `proxy_queries()` gives `(rows, visible)` (a key-scored decode token: its
-  key as a query, `[B, H, P, D]`, and the columns it may see, `[B, H, P, L]`) gets, on the
-  CPU, the attention computed explicitly with those rows in the same product as the
-  model's queries (the keys are read once for both), and their weights handed to
-  `cache.receive_proxy(weights)`. On a GPU mlx-lm's fused attention is faster than an
+- a cache whose `proxy_queries()` gives rows `[B, H, P, D]` (a key-scored decode token:
+  its key as a query) gets, on the CPU, the attention computed explicitly with those
+  rows in the same product as the model's queries (the keys are read once for both),
+  and their logits `[B, H, P, L]` handed to `cache.receive_proxy(logits)`. On a GPU mlx-lm's fused attention is faster than an
   explicit one, so the hook falls through and the cache scores the key itself;
 - a cache with an `attention_mask(N, mask)` method may replace the mask mlx-lm built
   once per forward pass from layer 0 (layers whose kept rows differ from layer 0's);
@@ -81,37 +80,40 @@ def attention_with_weights(
     Returns:
       output `[B, Hq, N, Dv]` in the queries' dtype, weights `[B, Hq, N, L]` float32.
     """
-    out, weights, _ = _attend(queries, keys, values, scale, mask, sinks, bits, group_size)
-    return out, weights
+    H = (storage.parts(keys)[0] if bits else keys).shape[1]
+    logits = storage.matmul_t(_query_rows(queries, scale, H), keys, bits, group_size)
+    return _attend(queries.shape, queries.dtype, logits, values, mask, sinks, bits, group_size)
 
 
 def attention_with_proxy(queries: mx.array, keys, values, scale: float, mask: Union[None, str, mx.array],
-                         rows: mx.array, visible: mx.array, bits: Optional[int] = None, group_size: int = 64):
-    """`attention_with_weights`' output, and the weights of `rows` `[B, H, P, D]` (float32,
-    already scaled) over the same keys, softmax over the columns `visible` `[B, H, P, L]`
-    marks (all hidden: NaN): `[B, H, P, L]` float32. Both come from one product with the
-    keys, so the keys are read once."""
-    out, _, proxy = _attend(queries, keys, values, scale, mask, None, bits, group_size, (rows, visible))
-    return out, proxy
+                         rows: mx.array, bits: Optional[int] = None, group_size: int = 64):
+    """`attention_with_weights`' output, and the logits of `rows` `[B, H, P, D]` (float32,
+    already scaled) against the same keys, `[B, H, P, L]` float32: one product with the
+    keys gives both, so the keys are read once."""
+    Hq, N = queries.shape[1:3]
+    R = Hq // rows.shape[1] * N  # the query rows; the values are multiplied by their weights only
+    logits = storage.matmul_t(mx.concatenate([_query_rows(queries, scale, rows.shape[1]), rows], axis=2),
+                              keys, bits, group_size)
+    out = _attend(queries.shape, queries.dtype, logits[:, :, :R], values, mask, None, bits, group_size)[0]
+    return out, logits[:, :, R:]
 
 
-def _attend(queries, keys, values, scale, mask, sinks, bits, group_size, extra=None):
-    """(output, weights, the extra rows' weights or None): see `attention_with_proxy`."""
+def _query_rows(queries: mx.array, scale: float, H: int) -> mx.array:
+    """`[B, Hq, N, D]` queries -> `[B, H, rep N, D]` float32 times `scale`: the rep query
+    heads of a KV head as rows of one product (broadcasting the keys over rep instead
+    costs ~1.7x on mlx's CPU, which materialises the broadcast)."""
     B, Hq, N, D = queries.shape
-    H, L = storage.parts(keys)[0].shape[1:3] if bits else keys.shape[1:3]
     if Hq % H:
         raise ValueError(f"{Hq} query heads is invalid for {H} KV heads: expected a multiple")
+    return (queries.astype(mx.float32) * scale).reshape(B, H, Hq // H * N, D)
+
+
+def _attend(shape, dtype, logits, values, mask, sinks, bits, group_size):
+    """(output `[B, Hq, N, Dv]`, weights `[B, Hq, N, L]`) from the query rows' logits
+    `[B, H, rep N, L]` (queries of `shape` and `dtype`)."""
+    B, Hq, N, _ = shape
+    H, L = logits.shape[1], logits.shape[-1]
     rep = Hq // H
-    # the rep query heads of a KV head as rows of one product: broadcasting the keys over
-    # rep instead costs ~1.7x on mlx's CPU (it materialises the broadcast)
-    q = (queries.astype(mx.float32) * scale).reshape(B, H, rep * N, D)
-    if extra is not None:
-        q = mx.concatenate([q, extra[0]], axis=2)
-    logits = storage.matmul_t(q, keys, bits, group_size)
-    proxy = None
-    if extra is not None:
-        proxy = softmax(mx.where(extra[1], logits[:, :, rep * N :], -mx.inf))
-        logits = logits[:, :, : rep * N]
     logits = logits.reshape(B, H, rep, N, L)
     if isinstance(mask, str):
         if mask != "causal":
@@ -129,7 +131,7 @@ def _attend(queries, keys, values, scale, mask, sinks, bits, group_size, extra=N
     else:
         weights = softmax(logits)  # h2o_fn.softmax: mlx's CPU exp is slow
     out = storage.matmul(weights.reshape(B, H, rep * N, L), values, bits, group_size)  # [B, H, rep N, Dv]
-    return out.reshape(B, Hq, N, -1).astype(queries.dtype), weights.reshape(B, Hq, N, L), proxy
+    return out.reshape(B, Hq, N, -1).astype(dtype), weights.reshape(B, Hq, N, L)
 
 
 def _by_kv_head(mask: mx.array, H: int, rep: int) -> mx.array:
@@ -153,15 +155,15 @@ def per_kv_head(weights: mx.array, H: int, reduce: str = "mean") -> mx.array:
 
 
 def _proxy_of(cache, queries, keys, sinks):
-    """The cache's key-proxy `(rows, visible)` where attending explicitly pays (on the CPU, no
-    sink) and the rows fit the product (the keys' heads, the queries' width), else None."""
+    """The cache's key-proxy rows where attending explicitly pays (on the CPU, no sink) and
+    they fit the product (the keys' heads, the queries' width), else None."""
     if sinks is not None or mx.default_device() != mx.cpu or not hasattr(cache, "proxy_queries"):
         return None
-    proxy = cache.proxy_queries()
+    rows = cache.proxy_queries()
     k = storage.parts(keys)[0] if isinstance(keys, (tuple, list)) else keys
-    if proxy is None or proxy[0].shape[1] != k.shape[1] or proxy[0].shape[3] != queries.shape[3]:
+    if rows is None or rows.shape[1] != k.shape[1] or rows.shape[3] != queries.shape[3]:
         return None
-    return proxy
+    return rows
 
 
 def _hook(original, reduce: str):
@@ -175,8 +177,8 @@ def _hook(original, reduce: str):
             # keys and values as given to attention: arrays, or mx.quantize's triples (a list from some caches)
             k, v = (tuple(x) if isinstance(x, list) else x for x in (keys, values))
             if not wants:
-                out, weights = attention_with_proxy(queries, k, v, scale, mask, *proxy, bits, group)
-                cache.receive_proxy(weights)
+                out, logits = attention_with_proxy(queries, k, v, scale, mask, proxy, bits, group)
+                cache.receive_proxy(logits)
                 return out
             N = queries.shape[2]
             M = cache.scored_queries(N) if hasattr(cache, "scored_queries") else N

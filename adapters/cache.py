@@ -91,14 +91,14 @@ class HookProtocol(_BaseCache):
         last M = `scored_queries(N)` queries."""
         self._s = cache_state.receive(self._s, self.policy, weights)
 
-    def proxy_queries(self):
-        """The key proxy's `(rows, visible)` while a key-scored decode token waits, else None
-        (`cache_state.proxy_queries`): attention may compute its weights beside its own."""
+    def proxy_queries(self) -> Optional[mx.array]:
+        """The key proxy's query row `[B, H, 1, D]` while a key-scored decode token waits, else
+        None (`cache_state.proxy_queries`): attention may compute its logits beside its own."""
         return cache_state.proxy_queries(self._s, self.policy)
 
-    def receive_proxy(self, weights: mx.array) -> None:
-        """The key proxy's weights `[B, H, 1, span]`: the waiting token settled."""
-        self._s = cache_state.receive_proxy(self._s, self.policy, weights)
+    def receive_proxy(self, logits: mx.array) -> None:
+        """The proxy row's logits `[B, H, 1, span]` over the rows last returned: the waiting token settled."""
+        self._s = cache_state.receive_proxy(self._s, self.policy, logits)
 
     def attention_mask(self, N: int, mask):
         """The mask this layer needs: mlx-lm builds one per forward pass from layer 0's

@@ -184,26 +184,27 @@ def receive(s: CacheState, policy: Policy, weights: mx.array) -> CacheState:
     return s._replace(core=state)
 
 
-def proxy_queries(s: CacheState, policy: Policy):
-    """What the key proxy of the awaited decode token attends with, for attention to compute
-    beside its own queries: `(rows [B, H, 1, Dk] float32 scaled by 1/sqrt(Dk), visible
-    [B, H, 1, span] bool)`; None unless a key-scored token waits."""
+def proxy_queries(s: CacheState, policy: Policy) -> Optional[mx.array]:
+    """The query row of the awaited key-scored decode token's proxy, for attention to compute
+    beside its own queries: `[B, H, 1, Dk]` float32, scaled by 1/sqrt(Dk) (`view.proxy_query`);
+    None unless such a token waits."""
     p = s.pending
     if p is None or p.key is None:
         return None
-    return view.proxy_query(p.state, p.key, p.span, p.alive, policy.kv)
+    return view.proxy_query(p.state, p.key, policy.kv)
 
 
-def receive_proxy(s: CacheState, policy: Policy, weights: mx.array) -> CacheState:
-    """The key proxy's weights `[B, H, 1, span]` over the view last returned (softmax over the
-    visible columns of `proxy_queries`): the awaited key-scored token settled."""
+def receive_proxy(s: CacheState, policy: Policy, logits: mx.array) -> CacheState:
+    """The proxy row's logits `[B, H, 1, span]` against the view last returned: the awaited
+    key-scored token settled (`settle_key` with them)."""
     p = s.pending
     if p is None or p.key is None:
-        raise RuntimeError("an H2O cache got key-proxy weights but has no key-scored token waiting")
+        raise RuntimeError("an H2O cache got key-proxy logits but has no key-scored token waiting")
     B, H = p.state.positions.shape[:2]
-    if tuple(weights.shape) != (B, H, 1, p.span):
-        raise ValueError(f"weights shape {tuple(weights.shape)} is invalid: expected ({B}, {H}, 1, {p.span})")
-    return s._replace(core=policy.settle(p.state, view.decode_weights(weights, p.state), p.alive), pending=None)
+    if tuple(logits.shape) != (B, H, 1, p.span):
+        raise ValueError(f"logits shape {tuple(logits.shape)} is invalid: expected ({B}, {H}, 1, {p.span})")
+    return s._replace(core=policy.settle_key(p.state, p.key, p.alive, view.decode_weights(logits, p.state)),
+                      pending=None)
 
 
 def settle_proxy(s: CacheState, policy: Policy) -> CacheState:

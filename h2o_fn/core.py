@@ -48,7 +48,7 @@ from .arrays import INT32_MAX, knob, newest_slots, per_row, scored_rows, stored_
 from .checks import check_chunk, check_kv, check_weights
 from .config import H2OConfig
 from .rule import Argmin, evict, protected_argmin
-from .scoring import accumulate, proxy_weights
+from .scoring import accumulate, proxy_softmax, proxy_weights
 from .state import H2OState
 from .storage import DENSE, Storage
 
@@ -151,23 +151,33 @@ def step(
         own = mx.arange(free_before.shape[-1]) == first_free
         w = mx.where(own, weights[..., 0, -1:], weights[..., 0, :-1])
         return settle(admitted, w, config, argmin, alive)
-    return _by_key(admitted, free_before, key, config, argmin, alive, kv)
+    w = proxy_weights(admitted.keys, ~free_before, scored_rows(key, state.keys, kv), kv)
+    return _by_key(admitted, w, config, argmin, alive)
 
 
 def settle_key(admitted: H2OState, key: mx.array, config: H2OConfig, argmin: Argmin = protected_argmin,
-               alive: Optional[mx.array] = None, kv: Storage = DENSE) -> H2OState:
+               alive: Optional[mx.array] = None, kv: Storage = DENSE,
+               logits: Optional[mx.array] = None) -> H2OState:
     """The rest of a key-scored step once `admit` wrote the token `[B, H, 1, D]`: its key
     (as stored) scores the tokens kept before it, then decay-add and evict. `step` with
-    scoring="key" is `admit` then this; an adapter that attends between the two calls it
-    when nothing handed it the proxy's weights (`settle` takes them when something did)."""
+    scoring="key" is `admit` then this; an adapter that attends between the two calls it.
+
+    Args:
+      logits: optional `[B, H, C]` float32, the key against every slot's key over sqrt(D),
+        where attention already computed them in its own product (the attention hook);
+        only the slots the proxy sees are read. None: computed here from `key`.
+    """
     check_kv(admitted, kv)
-    newest = newest_slots(admitted.positions, admitted.seen, alive)
-    return _by_key(admitted, (admitted.positions < 0) | newest, key, config, argmin, alive, kv)
+    visible = (admitted.positions >= 0) & ~newest_slots(admitted.positions, admitted.seen, alive)
+    if logits is None:
+        w = proxy_weights(admitted.keys, visible, scored_rows(key, admitted.keys, kv), kv)
+    else:
+        w = proxy_softmax(logits, visible)[..., None, :]
+    return _by_key(admitted, w, config, argmin, alive)
 
 
-def _by_key(admitted, hidden, key, config, argmin, alive, kv):
-    """Settle `admitted` with the key proxy of `key` over the slots not `hidden` `[B, H, C]`."""
-    w = proxy_weights(admitted.keys, ~hidden, scored_rows(key, admitted.keys, kv), kv)
+def _by_key(admitted, w, config, argmin, alive):
+    """Settle `admitted` with the key proxy's weights `w` `[B, H, 1, C]` (0 on unseen slots)."""
     if alive is not None:
         return settle(admitted, w[..., 0, :], config, argmin, alive)
     # proxy weights are exactly 0 on free slots and on the new token: no mask needed
@@ -199,8 +209,10 @@ def compiled_step(config: H2OConfig, argmin: Argmin = protected_argmin, kv: Stor
 
 @functools.lru_cache(maxsize=None)
 def compiled_settle_key(config: H2OConfig, argmin: Argmin = protected_argmin, kv: Storage = DENSE):
-    """`settle_key` for a fixed config, op and storage under `mx.compile`: `fn(admitted, key, alive=None)`."""
-    return mx.compile(lambda admitted, key, alive=None: settle_key(admitted, key, config, argmin, alive, kv))
+    """`settle_key` for a fixed config, op and storage under `mx.compile`: `fn(admitted, key, alive=None,
+    logits=None)`."""
+    return mx.compile(lambda admitted, key, alive=None, logits=None: settle_key(
+        admitted, key, config, argmin, alive, kv, logits))
 
 
 @functools.lru_cache(maxsize=None)

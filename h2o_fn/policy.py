@@ -68,9 +68,11 @@ class Policy(NamedTuple):
         """Finish an admitted token's step with its weights `[B, H, C]`, compiled (`core.settle`)."""
         return core.compiled_settle(self.config, self.argmin)(admitted, weights, alive)
 
-    def settle_key(self, admitted: H2OState, key: mx.array, alive: Optional[mx.array] = None) -> H2OState:
-        """Finish an admitted token's key-scored step with its key `[B, H, 1, D]`, compiled (`core.settle_key`)."""
-        return core.compiled_settle_key(self.config, self.argmin, self.kv)(admitted, key, alive)
+    def settle_key(self, admitted: H2OState, key: mx.array, alive: Optional[mx.array] = None,
+                   logits: Optional[mx.array] = None) -> H2OState:
+        """Finish an admitted token's key-scored step with its key `[B, H, 1, D]` (or the
+        proxy's `logits` `[B, H, C]` where attention computed them), compiled (`core.settle_key`)."""
+        return core.compiled_settle_key(self.config, self.argmin, self.kv)(admitted, key, alive, logits)
 
     def absorb(self, state: H2OState, keys: mx.array, values: mx.array, weights: Optional[mx.array] = None,
                n_alive: Optional[mx.array] = None) -> H2OState:

@@ -144,10 +144,11 @@ def settle(admitted: RefState, weights, config, argmin=None, alive=None) -> RefS
     return evict(accumulate(admitted, weights, config, alive), config)
 
 
-def settle_key(admitted: RefState, key, config, argmin=None, alive=None, kv=None) -> RefState:
+def settle_key(admitted: RefState, key, config, argmin=None, alive=None, kv=None, logits=None) -> RefState:
     """The rest of a key-scored step: each alive row's newest token (the last admitted) scores
-    the tokens before it with `key` `[B, H, 1, D]` (as stored), then evict."""
-    del argmin, kv
+    the tokens before it with `key` `[B, H, 1, D]` (as stored), then evict. `logits` (the
+    core's shortcut for logits attention computed) would be the same dot products: ignored."""
+    del argmin, kv, logits
     state = _copy(admitted)
     key = np.asarray(key, np.float64)
     for b, row in enumerate(state.heads):

@@ -55,9 +55,14 @@ def proxy_weights(keys, visible: mx.array, queries: mx.array, kv: Storage) -> mx
 
     Hidden slots get exactly 0 (exp(-inf)); an all-hidden row's NaNs are cleaned to 0.
     """
-    scale = queries.shape[-1] ** -0.5
-    logits = times_rows(f32(queries) * scale, keys, kv)
-    w = softmax(mx.where(visible[..., None, :], logits, -mx.inf))  # h2o_fn.softmax: mlx's CPU exp is slow
+    logits = times_rows(f32(queries) * queries.shape[-1] ** -0.5, keys, kv)
+    return proxy_softmax(logits, visible[..., None, :])
+
+
+def proxy_softmax(logits: mx.array, visible: mx.array) -> mx.array:
+    """The key proxy's weights from its logits `[..., C]` (keys . query / sqrt(D)): softmax
+    over the `visible` slots (broadcastable bool), exactly 0 elsewhere, 0 where none is."""
+    w = softmax(mx.where(visible, logits, -mx.inf))  # h2o_fn.softmax: mlx's CPU exp is slow
     return mx.nan_to_num(w, nan=0.0)  # softmax gives [0, 1] or NaN (no valid slot, NaN keys)
 
 

@@ -37,7 +37,7 @@ from typing import Sequence, Tuple
 import mlx.core as mx
 
 from . import storage
-from .arrays import f32, newest_slots, scored_rows
+from .arrays import f32, scored_rows
 from .core import INT32_MAX, admit, stored_rows
 from .state import H2OState
 from .storage import DENSE, Storage
@@ -103,18 +103,15 @@ def view_weights(state: H2OState, weights: mx.array, span: int) -> mx.array:
 
 def decode_weights(weights: mx.array, admitted: H2OState) -> mx.array:
     """Weights `[B, H, 1, span]` over the decode view of `admitted` (its first span
-    slots) -> `[B, H, C]` over its slots, for `settle`."""
+    slots) -> `[B, H, C]` over its slots (0 beyond), for `settle` (or logits, for `settle_key`)."""
     return _over_slots(weights, admitted.positions.shape[-1])
 
 
-def proxy_query(admitted: H2OState, key: mx.array, span: int, alive=None, kv: Storage = DENSE):
-    """The key proxy of an admitted decode token as a query over its view: `(rows, visible)`,
-    rows `[B, H, 1, D]` float32 (its key as stored, times 1/sqrt(D)) and visible `[B, H, 1,
-    span]` bool (the tokens kept before it). Their softmax over the view's keys is the
-    weights `settle_key` computes, as `settle` takes them after `decode_weights`."""
-    hidden = (admitted.positions < 0) | newest_slots(admitted.positions, admitted.seen, alive)
-    rows = f32(scored_rows(key, admitted.keys, kv)) * key.shape[-1] ** -0.5
-    return rows, ~hidden[..., None, :span]
+def proxy_query(admitted: H2OState, key: mx.array, kv: Storage = DENSE) -> mx.array:
+    """An admitted decode token's key `[B, H, 1, D]` as the key proxy's query over its view:
+    float32, as stored, times 1/sqrt(D). Its logits against the view's keys, mapped back
+    by `decode_weights`, are the logits `settle_key` takes."""
+    return f32(scored_rows(key, admitted.keys, kv)) * key.shape[-1] ** -0.5
 
 
 def _over_slots(weights: mx.array, C: int) -> mx.array:

@@ -99,11 +99,10 @@ def test_key_scoring_in_the_hook_keeps_what_the_core_keeps(llama32, kv_bits):
 
 
 def test_a_waiting_key_scored_token_settles_like_a_step():
-    """`settle_proxy` (no hook) and `receive_proxy` (the proxy's softmax over the view) give
+    """`settle_proxy` (no hook) and `receive_proxy` (the proxy row's logits over the view) give
     the state `core.step` gives."""
     from h2o_fn import policy as make_policy
     from h2o_fn.adapters import cache_state
-    from h2o_fn.softmax import softmax
 
     p = make_policy(H2OConfig(budget=6, n_sink=1, grace=2, scoring="key"))
     s = cache_state.CacheState()
@@ -113,19 +112,19 @@ def test_a_waiting_key_scored_token_settles_like_a_step():
         before = s.core
         s, (k, _) = cache_state.update(s, p, keys[:, :, i : i + 1], keys[:, :, i : i + 1])
         want = step(before, keys[:, :, i : i + 1], keys[:, :, i : i + 1], p.config)
-        rows, visible = cache_state.proxy_queries(s, p)
-        assert rows.shape == (2, 3, 1, 8) and visible.shape == (2, 3, 1, k.shape[2])
-        weights = softmax(mx.where(visible, rows @ k.swapaxes(-1, -2), -mx.inf))
-        for got in (cache_state.settle_proxy(s, p), cache_state.receive_proxy(s, p, weights)):
+        rows = cache_state.proxy_queries(s, p)
+        assert rows.shape == (2, 3, 1, 8)
+        logits = rows @ k.swapaxes(-1, -2)
+        for got in (cache_state.settle_proxy(s, p), cache_state.receive_proxy(s, p, logits)):
             assert got.pending is None
             assert mx.array_equal(got.core.positions, want.positions)
             assert mx.allclose(got.core.scores, want.scores, atol=1e-6)
         s = cache_state.settle_proxy(s, p)
     with pytest.raises(RuntimeError, match="no key-scored token waiting"):
-        cache_state.receive_proxy(s, p, weights)
-    with pytest.raises(ValueError, match="weights shape"):
+        cache_state.receive_proxy(s, p, logits)
+    with pytest.raises(ValueError, match="logits shape"):
         s, _ = cache_state.update(s, p, keys[:, :, :1], keys[:, :, :1])
-        cache_state.receive_proxy(s, p, weights[..., :-1])
+        cache_state.receive_proxy(s, p, logits[..., :-1])
 
 
 @pytest.mark.parametrize("scoring", ["key", "query"])

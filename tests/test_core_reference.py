@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 import h2o_fn
 from h2o_fn import H2OConfig, absorb, admit, assert_invariants, init, step
-from h2o_fn import core, prefill, rule, scoring
+from h2o_fn import core, prefill, rule, scoring, storage, view
 from h2o_fn import reference as ref
 
 from helpers import assert_matches, chunk_weights, core_weights, dequantized
@@ -183,7 +183,11 @@ def twin_settle_key(data, cfg, kv):
     a = None if alive is None else mx.array(alive)
     s = h2o_fn.admit(s, mx.array(k), mx.array(v), kv, a)
     r = ref.admit(r, as_stored(k, kv), as_stored(v, kv), kv, alive)
-    return (h2o_fn.settle_key(s, mx.array(k), cfg, alive=a, kv=kv),
+    logits = None
+    if data.draw(st.booleans()):  # as attention computes them: the proxy's row times every slot's key
+        rows = view.proxy_query(s, mx.array(k), kv)
+        logits = storage.matmul_t(rows, s.keys, kv.bits, kv.group_size)[:, :, 0]
+    return (h2o_fn.settle_key(s, mx.array(k), cfg, alive=a, kv=kv, logits=logits),
             ref.settle_key(r, as_stored(k, kv), cfg, alive=alive, kv=kv))
 
 
