@@ -136,25 +136,57 @@ def dense(store: Store, bits: Optional[int], group_size: int) -> mx.array:
 def matmul_t(x: mx.array, store: Store, bits: Optional[int], group_size: int) -> mx.array:
     """`x` `[..., N, D]` float32 against every row: `x @ rows^T`, `[..., N, C]` float32.
 
-    Quantized rows are multiplied where they lie (`mx.quantized_matmul`, scales and
-    biases in float32) instead of dequantized into a `[..., C, D]` copy first: the same
-    sums, in another order (logits agree to ~1e-6), at half the cost on the CPU.
+    Quantized rows are multiplied where they lie instead of dequantized into a
+    `[..., C, D]` copy first: 8-bit codes read as bytes (`_codes`), the scales and biases
+    applied to the products, per group g: `s_g (x_g . c_g) + b_g sum(x_g)`; other widths
+    through `mx.quantized_matmul`. The same sums in another order (logits agree to ~1e-6).
     """
     if not is_quantized(store):
         return x @ (store if store.dtype == mx.float32 else store.astype(mx.float32)).swapaxes(-1, -2)
     packed, scales, biases = store
-    return mx.quantized_matmul(x, packed, scales.astype(mx.float32), biases.astype(mx.float32), transpose=True,
-                               group_size=group_size, bits=bits)
+    if bits != 8:
+        return mx.quantized_matmul(x, packed, scales.astype(mx.float32), biases.astype(mx.float32), transpose=True,
+                                   group_size=group_size, bits=bits)
+    s, b = (y.astype(mx.float32).swapaxes(-1, -2) for y in (scales, biases))  # [..., G, C]
+    codes = _codes(packed)  # [..., C, D]
+    G, N = s.shape[-2], x.shape[-2]
+    if G == 1:
+        return (x @ codes.swapaxes(-1, -2)) * s + x.sum(-1, keepdims=True) * b
+    # each query row once per group, zero outside it: one product gives every group's dot products
+    xg = mx.where(_blocks(x.shape[-1], G), x[..., None, :], 0.0).reshape(*x.shape[:-2], N * G, -1)
+    dots = (xg @ codes.swapaxes(-1, -2)).reshape(*x.shape[:-2], N, G, -1)  # [..., N, G, C]
+    sums = x.reshape(*x.shape[:-1], G, group_size).sum(-1)[..., None]  # [..., N, G, 1]
+    return (dots * mx.expand_dims(s, -3) + sums * mx.expand_dims(b, -3)).sum(-2)
 
 
 def matmul(w: mx.array, store: Store, bits: Optional[int], group_size: int) -> mx.array:
     """`w` `[..., N, C]` float32 times every row: `w @ rows`, `[..., N, D]` float32 (quantized
-    rows multiplied where they lie, as `matmul_t`)."""
+    rows multiplied where they lie, as `matmul_t`: per group g, `(w s_g) @ c_g + w @ b_g`)."""
     if not is_quantized(store):
         return w @ (store if store.dtype == mx.float32 else store.astype(mx.float32))
     packed, scales, biases = store
-    return mx.quantized_matmul(w, packed, scales.astype(mx.float32), biases.astype(mx.float32), transpose=False,
-                               group_size=group_size, bits=bits)
+    s, b = (y.astype(mx.float32) for y in (scales, biases))  # [..., C, G]
+    if bits != 8:
+        return mx.quantized_matmul(w, packed, s, b, transpose=False, group_size=group_size, bits=bits)
+    codes = _codes(packed)  # [..., C, D]
+    G, N = s.shape[-1], w.shape[-2]
+    if G == 1:
+        return (w * s.swapaxes(-1, -2)) @ codes + w @ b
+    wg = (w[..., None, :] * mx.expand_dims(s.swapaxes(-1, -2), -3)).reshape(*w.shape[:-2], N * G, -1)
+    out = (wg @ codes).reshape(*w.shape[:-2], N, G, -1)  # [..., N, G, D]: group g's columns are right
+    blocks = _blocks(codes.shape[-1], G).astype(mx.float32)  # [G, D]
+    return (out * blocks).sum(-2) + (w @ b) @ blocks
+
+
+def _codes(packed: mx.array) -> mx.array:
+    """8-bit rows' codes `[..., C, D]` float32: mx.quantize packs element i of a row into byte
+    i % 4 of word i // 4 (little-endian), so the words read as bytes are the codes in order."""
+    return packed.view(mx.uint8).astype(mx.float32)
+
+
+def _blocks(D: int, G: int) -> mx.array:
+    """`[G, D]` bool: column d belongs to group g (groups of D / G consecutive columns)."""
+    return (mx.arange(D) // (D // G))[None] == mx.arange(G)[:, None]
 
 
 def empty(shape: Tuple[int, int, int], dim: int, dtype, bits: Optional[int], group_size: int) -> Store:

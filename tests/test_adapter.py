@@ -383,6 +383,26 @@ def test_explicit_attention_on_dequantized_rows_equals_mlx_lm_quantized_sdpa():
     assert mx.allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_explicit_attention_on_quantized_rows_equals_mlx_lm_quantized_sdpa(bits):
+    """Stores as given (multiplied where they lie, `storage.matmul_t` / `matmul`), with and
+    without a key-proxy row in the keys' product."""
+    from h2o_fn.adapters.attention import attention_with_proxy
+
+    q, k, v, _ = sdpa_cases()
+    q, k, v = (mx.concatenate([x, x[..., ::-1]], axis=-1) for x in (q, k, v))  # head_dim 32
+    qk, qv = (tuple(mx.quantize(x, group_size=32, bits=bits)) for x in (k, v))
+    # a copy of q: mlx-lm's function scales its queries in place
+    ref = quantized_scaled_dot_product_attention(q * 1, qk, qv, 0.25, "causal", group_size=32, bits=bits)
+    out, w = attention_with_weights(q, qk, qv, 0.25, "causal", bits=bits, group_size=32)
+    assert mx.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    rows = k[:, :, -1:] * 0.5
+    out, logits = attention_with_proxy(q, qk, qv, 0.25, "causal", rows, bits=bits, group_size=32)
+    assert mx.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    dk = mx.dequantize(*qk, group_size=32, bits=bits)
+    assert mx.allclose(logits, rows @ dk.swapaxes(-1, -2), atol=1e-4, rtol=1e-4)
+
+
 def test_explicit_attention_with_sinks_equals_fused_sdpa():
     q, k, v, _ = sdpa_cases()
     sinks = mx.array(np.linspace(-1, 1, 6).astype(np.float32))

@@ -3,8 +3,9 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
+import h2o_fn
 from h2o_fn import (
     H2OConfig,
     Prompt,
@@ -292,3 +293,25 @@ def test_mismatched_shapes_raise():
         absorb(state, mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)), q, weights=mx.zeros((1, 2, 1, 9)))
     with pytest.raises(ValueError, match="scoring='query'"):
         step(state, mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)), q)
+
+
+@settings(max_examples=30)
+@given(data=st.data())
+def test_quantized_products_equal_the_dequantized_rows(data):
+    """`storage.matmul_t` / `matmul` multiply quantized rows where they lie (8 bits: the codes
+    read as bytes, per group) and give the products of the dequantized rows."""
+    from h2o_fn import storage
+
+    kv = h2o_fn.Storage(data.draw(st.sampled_from([8, 8, 6, 4, 3, 2])), data.draw(st.sampled_from([32, 64])))
+    G = data.draw(st.integers(1, 3))
+    D, N, C = kv.group_size * G, data.draw(st.integers(1, 5)), data.draw(st.integers(1, 40))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    rows = mx.array(rng.normal(size=(2, 3, C, D)).astype(np.float32) * 3 + 0.5)
+    store = storage.quantize(rows, kv.bits, kv.group_size)
+    dense = storage.dense(store, kv.bits, kv.group_size)
+    x = mx.array(rng.normal(size=(2, 3, N, D)).astype(np.float32))
+    w = mx.softmax(mx.array(rng.normal(size=(2, 3, N, C)).astype(np.float32)), axis=-1)
+    got, want = storage.matmul_t(x, store, kv.bits, kv.group_size), x @ dense.swapaxes(-1, -2)
+    assert mx.allclose(got, want, atol=1e-4 * (1 + mx.abs(want).max().item()), rtol=1e-5), kv
+    got, want = storage.matmul(w, store, kv.bits, kv.group_size), w @ dense
+    assert mx.allclose(got, want, atol=1e-5 * (1 + mx.abs(want).max().item()), rtol=1e-5), kv

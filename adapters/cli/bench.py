@@ -10,7 +10,8 @@
   caches attend with on the CPU): how much of a ratio is the attention, not the cache.
 - prefill: a 4,096-token prompt at budget 512: full vs H2O greedy vs oneshot.
 - profile: where a compiled decode step's time goes, part by part (the core's public
-  parts: admit, key_weights, protected_argmin, evict, step).
+  parts: admit, key_weights, protected_argmin, evict, step; and admit + settle_key from
+  the logits attention computed: what key scoring pays outside attention under the hook).
 
 With --kv-bits B, decode and prefill (and update) add rows with H2O storing its rows in
 B bits, and decode mlx-lm's QuantizedKVCache(B), next to the unquantized ones.
@@ -39,6 +40,7 @@ from h2o_fn import (
     key_weights,
     protected_argmin,
     rewind,
+    settle_key,
     step,
 )
 from h2o_fn.softmax import exp as fast_exp
@@ -156,7 +158,8 @@ def bench_profile(configs, layers=30, repeats=60) -> list:
     for budget, cfg in configs.items():
         ctx, tok = mx.random.normal((1, 3, budget, 64)), mx.random.normal((1, 3, 1, 64))
         start = absorb(init(cfg, 1, 3, 64, mx.float32), ctx, ctx, cfg)
-        mx.eval(start, tok)
+        logits = mx.random.normal(start.scores.shape)  # as the hook's product hands them over
+        mx.eval(start, tok, logits)
         parts = {
             "call + eval only": lambda s: s._replace(seen=s.seen + 1),
             "admit (write the row)": lambda s: admit(s, tok, tok),
@@ -171,6 +174,8 @@ def bench_profile(configs, layers=30, repeats=60) -> list:
             "h2o_fn.softmax.exp of C scores per KV head (the proxy's)": lambda s: s._replace(
                 scores=fast_exp(-s.scores)),
             "step": lambda s: step(s, tok, tok, cfg),
+            "admit + settle_key from attention's logits (the step outside attention, hooked)": lambda s: settle_key(
+                admit(s, tok, tok), tok, cfg, logits=logits),
         }
         for name, part in parts.items():
             rows.append({"budget": budget, "part": name,
