@@ -17,8 +17,9 @@ they do, never by their class:
 - a cache whose `proxy_queries()` gives rows `[B, H, P, D]` (a key-scored decode token:
   its key as a query) gets, on the CPU, the attention computed explicitly with those
   rows in the same product as the model's queries (the keys are read once for both),
-  and their logits `[B, H, P, L]` handed to `cache.receive_proxy(logits)`. On a GPU mlx-lm's fused attention is faster than an
-  explicit one, so the hook falls through and the cache scores the key itself;
+  and their logits `[B, H, P, L]` handed to `cache.receive_proxy(logits)`. On a GPU
+  mlx-lm's fused attention is faster than an explicit one, so the hook falls through and
+  the cache scores the key itself (as it does with attention sinks);
 - a cache with an `attention_mask(N, mask)` method may replace the mask mlx-lm built
   once per forward pass from layer 0 (layers whose kept rows differ from layer 0's);
 - every other cache falls through to the original function untouched.

@@ -115,7 +115,10 @@ def update(s: CacheState, policy: Policy, keys: mx.array, values: mx.array):
 def _decode(s, policy, keys, values, span, alive):
     admitted = policy.admit(s.core, keys, values, alive)  # the view reads the written row
     key = keys if policy.config.scoring == "key" else None  # the proxy: from the hook, else `settle_proxy`
-    return s._replace(pending=Pending(admitted, None, None, span, alive, key=key)), view.view(admitted, span)
+    # the core moves on to the admitted state: nothing holds the state before it, so MLX writes
+    # the row into its buffer instead of copying the stores (the settle may come a token later)
+    return s._replace(core=admitted, pending=Pending(admitted, None, None, span, alive, key=key)), \
+        view.view(admitted, span)
 
 
 def _chunk(s, policy, keys, values, span, alive):
@@ -209,7 +212,7 @@ def receive_proxy(s: CacheState, policy: Policy, logits: mx.array) -> CacheState
 
 def settle_proxy(s: CacheState, policy: Policy) -> CacheState:
     """The awaited key-scored token settled by the core's own key proxy (`settle_key`), when
-    attention did not hand its weights over (no hook, another device, an attention sink)."""
+    attention did not hand its logits over (no hook, a GPU, an attention sink)."""
     p = s.pending
     if p is None or p.key is None:
         return s
