@@ -166,6 +166,16 @@ def settle_key(admitted: H2OState, key: mx.array, config: H2OConfig, argmin: Arg
       logits: optional `[B, H, C]` float32, the key against every slot's key over sqrt(D),
         where attention already computed them in its own product (the attention hook);
         only the slots the proxy sees are read. None: computed here from `key`.
+
+    Example:
+        >>> import mlx.core as mx
+        >>> from h2o_fn import H2OConfig, absorb, admit, init, settle_key, step
+        >>> cfg = H2OConfig(budget=4, n_sink=1, grace=1)
+        >>> s = absorb(init(cfg, 1, 2, 8), mx.random.normal((1, 2, 6, 8)), mx.zeros((1, 2, 6, 8)), cfg)
+        >>> k = mx.random.normal((1, 2, 1, 8))
+        >>> a, b = step(s, k, k, cfg), settle_key(admit(s, k, k), k, cfg)
+        >>> mx.array_equal(a.positions, b.positions).item(), mx.allclose(a.scores, b.scores).item()
+        (True, True)
     """
     check_kv(admitted, kv)
     visible = (admitted.positions >= 0) & ~newest_slots(admitted.positions, admitted.seen, alive)
