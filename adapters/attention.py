@@ -81,7 +81,7 @@ def attention_with_weights(
     Returns:
       output `[B, Hq, N, Dv]` in the queries' dtype, weights `[B, Hq, N, L]` float32.
     """
-    H = (storage.parts(keys)[0] if bits else keys).shape[1]
+    H = storage.parts(keys)[0].shape[1]
     logits = storage.matmul_t(_query_rows(queries, scale, H), keys, bits, group_size)
     return _attend(queries.shape, queries.dtype, logits, values, mask, sinks, bits, group_size)
 
@@ -157,12 +157,11 @@ def per_kv_head(weights: mx.array, H: int, reduce: str = "mean") -> mx.array:
 
 def _proxy_of(cache, queries, keys, sinks):
     """The cache's key-proxy rows where attending explicitly pays (on the CPU, no sink) and
-    they fit the product (the keys' heads, the queries' width), else None."""
+    they fit the product (the keys' heads, the queries' width), else None. `keys`: a store."""
     if sinks is not None or mx.default_device() != mx.cpu or not hasattr(cache, "proxy_queries"):
         return None
     rows = cache.proxy_queries()
-    k = storage.parts(keys)[0] if isinstance(keys, (tuple, list)) else keys
-    if rows is None or rows.shape[1] != k.shape[1] or rows.shape[3] != queries.shape[3]:
+    if rows is None or rows.shape[1] != storage.parts(keys)[0].shape[1] or rows.shape[3] != queries.shape[3]:
         return None
     return rows
 
@@ -172,11 +171,11 @@ def _hook(original, reduce: str):
         own_mask = getattr(cache, "attention_mask", None)
         if own_mask is not None:
             mask = own_mask(queries.shape[2], mask)
-        wants, proxy = getattr(cache, "wants_weights", False), _proxy_of(cache, queries, keys, sinks)
+        # keys and values as given to attention: arrays, or mx.quantize's triples (a list from some caches)
+        k, v = (tuple(x) if isinstance(x, list) else x for x in (keys, values))
+        wants, proxy = getattr(cache, "wants_weights", False), _proxy_of(cache, queries, k, sinks)
         if (wants or proxy is not None) and cache.can_take(keys):
             bits, group = getattr(cache, "bits", None), getattr(cache, "group_size", 64)
-            # keys and values as given to attention: arrays, or mx.quantize's triples (a list from some caches)
-            k, v = (tuple(x) if isinstance(x, list) else x for x in (keys, values))
             if not wants:
                 out, logits = attention_with_proxy(queries, k, v, scale, mask, proxy, bits, group)
                 cache.receive_proxy(logits)

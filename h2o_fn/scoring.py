@@ -55,8 +55,13 @@ def proxy_weights(keys, visible: mx.array, queries: mx.array, kv: Storage) -> mx
 
     Hidden slots get exactly 0 (exp(-inf)); an all-hidden row's NaNs are cleaned to 0.
     """
-    logits = times_rows(f32(queries) * queries.shape[-1] ** -0.5, keys, kv)
-    return proxy_softmax(logits, visible[..., None, :])
+    return proxy_softmax(times_rows(proxy_rows(queries), keys, kv), visible[..., None, :])
+
+
+def proxy_rows(queries: mx.array) -> mx.array:
+    """Queries `[..., N, D]` as the key proxy multiplies them with the keys: float32, times
+    1/sqrt(D) (also what an adapter hands attention to compute the proxy's logits)."""
+    return f32(queries) * queries.shape[-1] ** -0.5
 
 
 def proxy_softmax(logits: mx.array, visible: mx.array) -> mx.array:

@@ -37,8 +37,9 @@ from typing import Sequence, Tuple
 import mlx.core as mx
 
 from . import storage
-from .arrays import f32, scored_rows
+from .arrays import scored_rows
 from .core import INT32_MAX, admit, stored_rows
+from .scoring import proxy_rows
 from .state import H2OState
 from .storage import DENSE, Storage
 
@@ -111,7 +112,7 @@ def proxy_query(admitted: H2OState, key: mx.array, kv: Storage = DENSE) -> mx.ar
     """An admitted decode token's key `[B, H, 1, D]` as the key proxy's query over its view:
     float32, as stored, times 1/sqrt(D). Its logits against the view's keys, mapped back
     by `decode_weights`, are the logits `settle_key` takes."""
-    return f32(scored_rows(key, admitted.keys, kv)) * key.shape[-1] ** -0.5
+    return proxy_rows(scored_rows(key, admitted.keys, kv))
 
 
 def _over_slots(weights: mx.array, C: int) -> mx.array:
