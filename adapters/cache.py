@@ -231,7 +231,7 @@ class H2OKVCache(HookProtocol):
 
     def flush(self) -> None:
         """Score and evict the staged decode tokens now (`evict_every` > 1)."""
-        self._s = cache_state.flush(self._s, self.policy)
+        self._s = cache_state.flush(self.ready("flush"), self.policy)
 
     def ready(self, what: str) -> CacheState:
         """The state with a waiting key-scored token settled (`cache_state.settle_proxy`);

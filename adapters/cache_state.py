@@ -131,11 +131,15 @@ def _chunk(s, policy, keys, values, span, alive):
 
 
 def _stage(s, policy, keys, values, span):
-    """every = k > 1: admit a decode token unscored (`staging`)."""
-    admitted = policy.admit(s.core, keys, values)
+    """every = k > 1: admit a decode token unscored (`staging`). Query scoring awaits its
+    weights; key scoring (oneshot) offers its key to the hook for the proxy's logits."""
+    cfg, admitted = policy.config, policy.admit(s.core, keys, values)
     s = s._replace(staged=staging.stage(s.staged, keys, values, s.seen))
-    if policy.config.scoring == "query":
+    if cfg.scoring == "query":
         return s._replace(pending=Pending(admitted, None, None, span, None, staged=True)), view.view(admitted, span)
+    if cfg.prefill == "oneshot":  # greedy judges each token after the evictions before it: no logits
+        return s._replace(core=admitted, pending=Pending(admitted, None, None, span, None, staged=True, key=keys)), \
+            view.view(admitted, span)
     s = s._replace(core=admitted)
     return (flush(s, policy) if staging.full(s.staged, s.every) else s), view.view(admitted, span)
 
@@ -206,16 +210,23 @@ def receive_proxy(s: CacheState, policy: Policy, logits: mx.array) -> CacheState
     B, H = p.state.positions.shape[:2]
     if tuple(logits.shape) != (B, H, 1, p.span):
         raise ValueError(f"logits shape {tuple(logits.shape)} is invalid: expected ({B}, {H}, 1, {p.span})")
+    if p.staged:  # kept for the chunk that scores the staged tokens
+        s = s._replace(pending=None, staged=staging.with_logits(s.staged, logits, p.state))
+        return flush(s, policy) if staging.full(s.staged, s.every) else s
     return s._replace(core=policy.settle_key(p.state, p.key, p.alive, view.decode_weights(logits, p.state)),
                       pending=None)
 
 
 def settle_proxy(s: CacheState, policy: Policy) -> CacheState:
     """The awaited key-scored token settled by the core's own key proxy (`settle_key`), when
-    attention did not hand its logits over (no hook, a GPU, an attention sink)."""
+    attention did not hand its logits over (no hook, a GPU, an attention sink). A staged
+    token stays staged without logits: the flush multiplies the keys itself."""
     p = s.pending
     if p is None or p.key is None:
         return s
+    if p.staged:
+        s = s._replace(pending=None)
+        return flush(s, policy) if staging.full(s.staged, s.every) else s
     return s._replace(core=policy.settle_key(p.state, p.key, p.alive), pending=None)
 
 

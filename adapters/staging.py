@@ -4,7 +4,8 @@ A wrapper around the core's state with a state of its own, as optax's `MultiStep
 wraps an optimizer: each decode token is admitted into a free slot (a row write; the
 attention view is as usual) and remembered in a `Staged`; once k are staged they are
 scored and evicted as one oneshot chunk (the prefill rule, `Policy.absorb_staged`) from
-the state they were admitted onto, with their own attention weights for query scoring.
+the state they were admitted onto, with their own attention weights for query scoring,
+and for key scoring with the proxy's logits that attention computed beside its own.
 
 Shapes: B batch rows, H KV heads, C = budget + k slots (`Policy.init(room=k)`), D head_dim, j staged tokens.
 
@@ -39,6 +40,7 @@ class Staged(NamedTuple):
     values: Tuple[mx.array, ...] = ()  # each [B, H, 1, Dv]
     weights: Tuple[mx.array, ...] = ()  # query scoring: each [B, H, 1, C + k] (view.staged_weights)
     start: Optional[mx.array] = None  # [B] tokens seen when the first was staged
+    logits: Tuple[mx.array, ...] = ()  # key scoring, from the hook: each [B, H, 1, C], the proxy's over the slots
 
 
 def check_every(k) -> int:
@@ -59,6 +61,12 @@ def with_weights(staged: Staged, weights: mx.array, admitted: H2OState, k: int) 
     `admitted`, laid out as the row of the chunk of k that will score them."""
     w = _compiled_staged_weights(k)(weights, admitted.positions, staged.start)
     return staged._replace(weights=(*staged.weights, w))
+
+
+def with_logits(staged: Staged, logits: mx.array, admitted: H2OState) -> Staged:
+    """`staged` with the last token's key-proxy logits `[B, H, 1, span]` over the view of
+    `admitted` (attention's own product, through the hook), as `[B, H, 1, C]` over its slots."""
+    return staged._replace(logits=(*staged.logits, view.decode_weights(logits, admitted)[:, :, None]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,22 +92,28 @@ def chunk(staged: Staged) -> Tuple[mx.array, mx.array]:
 def flush(state: H2OState, staged: Staged, policy: Policy) -> H2OState:
     """`state` (the staged tokens admitted) with the staged tokens scored and evicted down
     to budget as one chunk from the state before them (`Policy.absorb_staged`: the rows
-    stay in their slots; only survivors above budget move into the freed slots)."""
-    weights = None
+    stay in their slots; only survivors above budget move into the freed slots). Key
+    scoring reads the proxy's logits where attention gave them for every staged token, else
+    it multiplies the keys itself."""
+    weights = logits = None
     if policy.config.scoring == "query":
         weights = mx.concatenate(staged.weights, axis=2)[..., : capacity(state) + len(staged.keys)]
-    return policy.absorb_staged(state, *chunk(staged), weights)
+    elif len(staged.logits) == len(staged.keys):
+        logits = mx.concatenate(staged.logits, axis=2)
+    return policy.absorb_staged(state, *chunk(staged), weights, logits)
 
 
 def take(staged: Staged, batch: mx.array) -> Staged:
     """Batch rows `batch` `[b]` of every staged array."""
     return Staged(tuple(k[batch] for k in staged.keys), tuple(v[batch] for v in staged.values),
-                  tuple(w[batch] for w in staged.weights), None if staged.start is None else staged.start[batch])
+                  tuple(w[batch] for w in staged.weights), None if staged.start is None else staged.start[batch],
+                  tuple(x[batch] for x in staged.logits))
 
 
 def to_arrays(staged: Staged) -> tuple:
     """(keys, values, weights, start): `[B, H, j, D]` twice, `[B, H, j, C + k]` and `[B]`,
-    each None when absent (for a cache's `state`)."""
+    each None when absent (for a cache's `state`). The key proxy's logits are left out:
+    the flush after a load multiplies the keys itself (the same weights)."""
     if not staged.keys:
         return (None,) * 4
     weights = mx.concatenate(staged.weights, axis=2) if staged.weights else None

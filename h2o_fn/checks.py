@@ -56,3 +56,14 @@ def check_weights(state: H2OState, keys: mx.array, config: H2OConfig, weights, n
             M = " or ".join(str(m) for m in sorted(rows))
             raise ValueError(f"weights shape {tuple(weights.shape)} is invalid: expected "
                              f"({B}, {H}, {M}, {state.positions.shape[-1] + N})")
+
+
+def check_staged_logits(state: H2OState, keys: mx.array, config: H2OConfig, logits: mx.array) -> None:
+    """Raise unless `logits` fit `prefill.absorb_staged` of the staged `keys` `[B, H, N, D]`:
+    `[B, H, N, C]`, with scoring="key" and oneshot prefill (greedy judges one token at a time)."""
+    if config.scoring != "key" or config.prefill != "oneshot":
+        raise ValueError(f"got staged proxy logits with scoring={config.scoring!r}, prefill={config.prefill!r}: "
+                         "expected scoring='key' and prefill='oneshot'")
+    want = (*keys.shape[:3], state.positions.shape[-1])
+    if tuple(logits.shape) != want:
+        raise ValueError(f"logits shape {tuple(logits.shape)} is invalid: expected {want}")

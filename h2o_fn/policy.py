@@ -80,13 +80,18 @@ class Policy(NamedTuple):
         return prefill.absorb(state, keys, values, self.config, weights, self.argmin, n_alive, self.prompt, self.kv)
 
     def absorb_staged(self, state: H2OState, keys: mx.array, values: mx.array,
-                      weights: Optional[mx.array] = None) -> H2OState:
+                      weights: Optional[mx.array] = None, logits: Optional[mx.array] = None) -> H2OState:
         """The state's N newest tokens `[B, H, N, D]`, admitted unscored, judged as one chunk:
-        `prefill.absorb_staged` (rows move only above budget; compiled) for oneshot prefill,
-        N exact steps from the state before them for greedy."""
+        `prefill.absorb_staged` (rows move only above budget; compiled; the key proxy's
+        `logits` `[B, H, N, C]` where attention computed them) for oneshot prefill, N exact
+        steps from the state before them for greedy."""
         if self.config.prefill == "greedy":
+            if logits is not None:
+                raise ValueError("got staged proxy logits with prefill='greedy': expected prefill='oneshot' "
+                                 "(greedy judges each token after the evictions before it)")
             return self.absorb(core.rewind(state, keys.shape[2]), keys, values, weights)
-        return prefill.compiled_absorb_staged(self.config, self.prompt, self.kv)(state, keys, values, weights)
+        return prefill.compiled_absorb_staged(self.config, self.prompt, self.kv)(state, keys, values, weights,
+                                                                                   logits)
 
 
 def policy(config: Optional[H2OConfig] = None, argmin: rule.Argmin = rule.protected_argmin,

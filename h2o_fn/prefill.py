@@ -23,12 +23,12 @@ import mlx.core as mx
 
 from . import storage
 from .arrays import INT32_MAX, as_dtype, dense, f32, knob, per_row, stored_rows, times_rows
-from .checks import check_chunk, check_weights
+from .checks import check_chunk, check_staged_logits, check_weights
 from .config import H2OConfig
 from .core import compiled_step, rewind
 from .prompt import Prompt
 from .rule import Argmin, evict_lowest, protected_argmin
-from .scoring import clean_weights, scored_queries
+from .scoring import clean_weights, proxy_softmax, scored_queries
 from .softmax import softmax
 from .state import H2OState
 from .storage import DENSE, Storage
@@ -48,10 +48,10 @@ def compiled_absorb(config: H2OConfig, argmin: Argmin = protected_argmin, prompt
 
 @functools.lru_cache(maxsize=None)
 def compiled_absorb_staged(config: H2OConfig, prompt: Prompt = Prompt(), kv: Storage = DENSE):
-    """`absorb_staged` under `mx.compile`: `fn(state, keys, values, weights=None)`, one trace
-    per number of staged tokens."""
-    def staged(state, keys, values, weights=None):
-        return absorb_staged(state, keys, values, config, weights, prompt, kv)
+    """`absorb_staged` under `mx.compile`: `fn(state, keys, values, weights=None, logits=None)`,
+    one trace per number of staged tokens and per which optional arrays are given."""
+    def staged(state, keys, values, weights=None, logits=None):
+        return absorb_staged(state, keys, values, config, weights, prompt, kv, logits)
 
     return mx.compile(staged)
 
@@ -217,15 +217,13 @@ def _oneshot_scores(state, keys, chunk_keys, config, weights, n_alive, prompt, k
         faded = knob(config.decay ** N, mx.float32) * state.scores
     else:
         faded = state.scores * per_row(mx.power(knob(config.decay, mx.float32), f32(real)))
-    pool = None
-    if prompt.pool > 1 and long_chunk:  # a row is long by its real tokens, not the padded N
-        pool = (real > knob(prompt.window), prompt.pool)
-    return mass + mx.concatenate([faded, mx.zeros((B, H, N))], axis=-1), real, pool
+    # a row is long by its real tokens, not the padded N
+    return mass + mx.concatenate([faded, mx.zeros((B, H, N))], axis=-1), real, _pooling(real, N, prompt)
 
 
 def absorb_staged(state: H2OState, keys: mx.array, values: mx.array, config: H2OConfig,
                   weights: Optional[mx.array] = None, prompt: Prompt = Prompt(),
-                  kv: Storage = DENSE) -> H2OState:
+                  kv: Storage = DENSE, logits: Optional[mx.array] = None) -> H2OState:
     """The N newest tokens of `state`, already admitted unscored (staged decode: `admit` N
     times, `[B, H, N, D]` their keys and values), scored and evicted as the oneshot chunk
     they are: the kept positions and scores of `absorb(rewind(state, N), keys, values)`.
@@ -235,6 +233,12 @@ def absorb_staged(state: H2OState, keys: mx.array, values: mx.array, config: H2O
     all C), so the valid slots stay the prefix `[0, length)`, not sorted by position.
     Needs every row's valid slots within `[0, length + 1)` before staging, as decode
     steps and absorb leave them. `weights` as for `absorb` (scoring="query").
+
+    `logits` (scoring="key", oneshot prefill): optional `[B, H, N, C]` float32, staged token
+    i's key as stored over sqrt(D) against every slot's key of `state` (the attention hook
+    computes them in attention's own product as each token is staged); the key proxy then
+    reads no key. Token i's weights are their softmax over the slots holding tokens before
+    it (`_staged_proxy_scores`): the same chunk's weights, in another order of sums.
 
     Example:
         >>> import mlx.core as mx
@@ -253,6 +257,10 @@ def absorb_staged(state: H2OState, keys: mx.array, values: mx.array, config: H2O
     N = check_chunk(state, keys, values, kv)
     base = rewind(state, N)
     check_weights(base, keys, config, weights, prompt=prompt)
+    if logits is not None:
+        check_staged_logits(state, keys, config, logits)
+        scores, pool = _staged_proxy_scores(base, state.positions, logits, config, prompt)
+        return _evict_in_place(state, scores, pool, config)
     chunk_keys = stored_rows(keys, state.keys, kv)
     scores, _, pool = _oneshot_scores(base, keys, chunk_keys, config, weights, None, prompt, kv)
     C = state.positions.shape[-1]
@@ -260,6 +268,29 @@ def absorb_staged(state: H2OState, keys: mx.array, values: mx.array, config: H2O
     chunk = mx.take_along_axis(scores[..., C:], mx.clip(staged, 0, N - 1), axis=-1)
     slot_scores = mx.where(staged >= 0, chunk, scores[..., :C])
     return _evict_in_place(state, mx.where(state.positions >= 0, slot_scores, 0.0), pool, config)
+
+
+def _staged_proxy_scores(base: H2OState, positions: mx.array, logits: mx.array, config: H2OConfig,
+                         prompt: Prompt):
+    """(scores `[B, H, C]` over the slots of positions `[B, H, C]`, pooling as in
+    `_oneshot_scores`) of N staged tokens from their proxy `logits` `[B, H, N, C]` over those
+    slots: token i (position base.seen + i) weighs the held tokens before it."""
+    N = logits.shape[2]
+    first = N - scored_queries(N, config, None, prompt)
+    before = per_row(base.seen, 4) + mx.arange(first, N)[:, None]  # [B, 1, N - first, 1]: token i's position
+    visible = (positions[:, :, None] >= 0) & (positions[:, :, None] < before)
+    mass = _decayed_sum(proxy_softmax(f32(logits[:, :, first:]), visible), config.decay, None, first)
+    faded = knob(config.decay ** N, mx.float32) * base.scores  # base: the staged tokens' slots score 0
+    real = mx.broadcast_to(knob(N), (logits.shape[0],))
+    return mx.where(positions >= 0, faded + mass, 0.0), _pooling(real, N, prompt)
+
+
+def _pooling(real: mx.array, N: int, prompt: Prompt):
+    """None, or (the rows `[B]` ranked by pooled scores, the pool): a long chunk, a prompt,
+    is ranked by spans (SnapKV) in the rows whose real tokens outnumber the window."""
+    if prompt.pool > 1 and N > prompt.window:
+        return real > knob(prompt.window), prompt.pool
+    return None
 
 
 def _survivors(scores, positions, total, newest, pool, config, at_most=None) -> mx.array:

@@ -291,10 +291,12 @@ def chunk_scores(state: RefState, scores, span=None) -> List[List[dict]]:
 
 
 def absorb_staged(state: RefState, keys, values, config, weights=None, prompt: Prompt = Prompt(),
-                  kv=None) -> RefState:
+                  kv=None, logits=None) -> RefState:
     """The N newest tokens of `state` (admitted, unscored) scored as one oneshot chunk from
-    the state before them; `weights` `[B, H, N, P]` by position."""
-    del kv
+    the state before them; `weights` `[B, H, N, P]` by position. `logits` (the core's
+    shortcut for the proxy's logits attention computed while staging) would be the same
+    dot products: ignored."""
+    del kv, logits
     before = rewind(state, np.asarray(keys).shape[2])
     return absorb(before, keys, values, config._replace(prefill="oneshot"), weights, prompt=prompt)
 

@@ -79,18 +79,25 @@ def llama32():
 
 
 @pytest.mark.parametrize("kv_bits", [None, 8])
-def test_key_scoring_in_the_hook_keeps_what_the_core_keeps(llama32, kv_bits):
+@pytest.mark.parametrize("evict_every", [1, 4])
+def test_key_scoring_in_the_hook_keeps_what_the_core_keeps(llama32, kv_bits, evict_every):
     """Under the hook (on the CPU) a key-scored decode token's proxy is computed in attention's
-    own product and handed to the cache; without it the cache scores the key itself at the
-    next update. Both keep the same tokens with the same scores (to float rounding)."""
+    own product and handed to the cache (a staged token's kept for its chunk); without it the
+    cache scores the key itself at the next update (or flush). Both keep the same tokens with
+    the same scores (to float rounding)."""
     cfg = H2OConfig(budget=12, n_sink=2, grace=3, scoring="key")
-    hooked = make_h2o_cache(llama32, cfg, kv_bits=kv_bits, kv_group_size=32)
+    hooked = make_h2o_cache(llama32, cfg, kv_bits=kv_bits, kv_group_size=32, evict_every=evict_every)
     run(llama32, hooked)
     assert all(c.proxy_queries() is None for c in h2o_caches(hooked))  # the hook settled each one
-    bare = make_h2o_cache(llama32, cfg, kv_bits=kv_bits, kv_group_size=32)
+    if evict_every > 1:
+        staged = h2o_caches(hooked)[0]._s.staged
+        assert len(staged.keys) == 3 and len(staged.logits) == 3  # the last three, each with its logits
+    bare = make_h2o_cache(llama32, cfg, kv_bits=kv_bits, kv_group_size=32, evict_every=evict_every)
     remove_query_hook(llama32)
     run(llama32, bare)
     assert all(c.proxy_queries() is not None for c in h2o_caches(bare))  # the last token still waits
+    for c in (*h2o_caches(hooked), *h2o_caches(bare)):
+        c.flush()  # staged tokens judged: from the hook's logits, and by the core's own proxy
     for a, b in zip(h2o_caches(hooked), h2o_caches(bare)):
         assert a.tokens_seen == b.tokens_seen == sum(CHUNKS) and a.tokens_kept == cfg.budget
         assert kept_positions(a.core_state).tolist() == kept_positions(b.core_state).tolist()
@@ -125,6 +132,28 @@ def test_a_waiting_key_scored_token_settles_like_a_step():
     with pytest.raises(ValueError, match="logits shape"):
         s, _ = cache_state.update(s, p, keys[:, :, :1], keys[:, :, :1])
         cache_state.receive_proxy(s, p, logits[..., :-1])
+
+
+def test_staged_proxy_logits_are_checked():
+    """Staged key tokens' logits fit `[B, H, N, C]` and oneshot key scoring only: greedy judges
+    each token after the evictions before it, so the logits over the staging slots do not apply."""
+    from h2o_fn import absorb, admit, init
+    from h2o_fn import policy as make_policy
+    from h2o_fn.prefill import absorb_staged
+
+    cfg = H2OConfig(budget=4, n_sink=1, grace=1, scoring="key")
+    kv = mx.random.normal((1, 2, 8, 8), key=mx.random.key(2))
+    s = absorb(init(cfg, 1, 2, 8, room=2), kv[:, :, :6], kv[:, :, :6], cfg)
+    for i in (6, 7):
+        s = admit(s, kv[:, :, i : i + 1], kv[:, :, i : i + 1])
+    new, logits = kv[:, :, 6:], mx.zeros((1, 2, 2, 6))
+    assert absorb_staged(s, new, new, cfg, logits=logits).length.tolist() == [4]
+    with pytest.raises(ValueError, match=r"logits shape \(1, 2, 2, 5\) is invalid: expected \(1, 2, 2, 6\)"):
+        absorb_staged(s, new, new, cfg, logits=logits[..., :5])
+    with pytest.raises(ValueError, match="expected scoring='key' and prefill='oneshot'"):
+        absorb_staged(s, new, new, cfg._replace(prefill="greedy"), logits=logits)
+    with pytest.raises(ValueError, match="prefill='greedy'"):
+        make_policy(cfg._replace(prefill="greedy")).absorb_staged(s, new, new, logits=logits)
 
 
 @pytest.mark.parametrize("scoring", ["key", "query"])
@@ -507,8 +536,13 @@ def test_evict_every_scores_decode_tokens_as_chunks(llama, scoring):
 
 
 def test_evict_every_with_nothing_evicted_equals_the_full_cache(llama):
-    cache = make_h2o_cache(llama, H2OConfig(budget=64, n_sink=2, grace=4, scoring="key"), evict_every=8)
-    assert mx.array_equal(run(llama, cache), run(llama, [KVCache() for _ in llama.layers]))
+    cfg = H2OConfig(budget=64, n_sink=2, grace=4, scoring="key")
+    full = run(llama, [KVCache() for _ in llama.layers])
+    # staged key tokens attend explicitly, with the proxy's row (on the CPU, under the hook)
+    assert mx.allclose(run(llama, make_h2o_cache(llama, cfg, evict_every=8)), full, atol=1e-4, rtol=1e-4)
+    bare = make_h2o_cache(llama, cfg, evict_every=8)
+    remove_query_hook(llama)  # without it, mlx-lm's own attention: the same logits
+    assert mx.array_equal(run(llama, bare), full)
 
 
 def test_the_adapters_knobs_are_checked_and_travel_with_a_saved_cache():

@@ -239,7 +239,11 @@ def twin_absorb_staged(data, cfg, kv):
         r = ref.admit(r, as_stored(k[:, :, i : i + 1], kv), as_stored(v[:, :, i : i + 1], kv), kv)
     cw = None if cfg.scoring == "key" else core_weights(before, w)
     prompt = data.draw(prompts())
-    return (prefill.absorb_staged(s, mx.array(k), mx.array(v), cfg, cw, prompt, kv),
+    logits = None
+    if cfg.scoring == "key" and cfg.prefill == "oneshot" and data.draw(st.booleans()):
+        # as the hook computes them while staging: each token's proxy row times every slot's key
+        logits = storage.matmul_t(view.proxy_query(s, mx.array(k), kv), s.keys, kv.bits, kv.group_size)
+    return (prefill.absorb_staged(s, mx.array(k), mx.array(v), cfg, cw, prompt, kv, logits),
             ref.absorb_staged(r, as_stored(k, kv), as_stored(v, kv), cfg, None if cfg.scoring == "key" else w,
                               prompt, kv))
 

@@ -198,10 +198,13 @@ def bench_profile(configs, layers=30, repeats=60) -> list:
 
 def _staged_rows(cfg, ctx, budget: int, layers: int, repeats: int, k: int = 8) -> list:
     """evict_every = k, per token: k admits (row writes) then the k judged as one chunk, in
-    place (`absorb_staged`, what the adapter runs) and by `absorb` from the state before
-    them (every row of the C slots rewritten), and that absorb alone."""
+    place (`absorb_staged`, what the adapter runs; key scoring under the hook, from the
+    proxy's logits attention computed) and by `absorb` from the state before them (every
+    row of the C slots rewritten), and that absorb alone."""
     tok8 = mx.random.normal((1, 3, k, 64))
     start8 = absorb(init(cfg, 1, 3, 64, mx.float32, room=k), ctx, ctx, cfg)
+    logits8 = mx.random.normal((1, 3, k, start8.scores.shape[-1]))  # as the hook hands them over while staging
+    mx.eval(start8, logits8)
 
     def admitted(s):
         for i in range(k):
@@ -212,6 +215,8 @@ def _staged_rows(cfg, ctx, budget: int, layers: int, repeats: int, k: int = 8) -
         f"oneshot absorb of {k} staged tokens, per token": lambda s: absorb(s, tok8, tok8, cfg),
         f"{k} admits + absorb from before them, per token": lambda s: absorb(rewind(admitted(s), k), tok8, tok8, cfg),
         f"{k} admits + absorb_staged (in place), per token": lambda s: absorb_staged(admitted(s), tok8, tok8, cfg),
+        f"{k} admits + absorb_staged from attention's logits (hooked), per token": lambda s: absorb_staged(
+            admitted(s), tok8, tok8, cfg, logits=logits8),
     }
     return [{"budget": budget, "part": name, "us_per_layer": _chained(mx.compile(fn), start8, layers, repeats) / k}
             for name, fn in parts.items()]
