@@ -217,7 +217,6 @@ def _oneshot_scores(state, keys, chunk_keys, config, weights, n_alive, prompt, k
         faded = knob(config.decay ** N, mx.float32) * state.scores
     else:
         faded = state.scores * per_row(mx.power(knob(config.decay, mx.float32), f32(real)))
-    # a row is long by its real tokens, not the padded N
     return mass + mx.concatenate([faded, mx.zeros((B, H, N))], axis=-1), real, _pooling(real, N, prompt)
 
 
@@ -287,7 +286,7 @@ def _staged_proxy_scores(base: H2OState, positions: mx.array, logits: mx.array, 
 
 def _pooling(real: mx.array, N: int, prompt: Prompt):
     """None, or (the rows `[B]` ranked by pooled scores, the pool): a long chunk, a prompt,
-    is ranked by spans (SnapKV) in the rows whose real tokens outnumber the window."""
+    is ranked by spans (SnapKV) in the rows whose real tokens (not the padded N) outnumber the window."""
     if prompt.pool > 1 and N > prompt.window:
         return real > knob(prompt.window), prompt.pool
     return None
