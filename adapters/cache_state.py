@@ -141,7 +141,7 @@ def _stage(s, policy, keys, values, span):
         return s._replace(core=admitted, pending=Pending(admitted, None, None, span, None, staged=True, key=keys)), \
             view.view(admitted, span)
     s = s._replace(core=admitted)
-    return (flush(s, policy) if staging.full(s.staged, s.every) else s), view.view(admitted, span)
+    return _flush_when_full(s, policy), view.view(admitted, span)
 
 
 def scored_queries(s: CacheState, policy: Policy, N: int) -> int:
@@ -183,7 +183,7 @@ def receive(s: CacheState, policy: Policy, weights: mx.array) -> CacheState:
     s = s._replace(pending=None)
     if p.staged:  # kept for the chunk that scores the staged tokens
         s = s._replace(core=p.state, staged=staging.with_weights(s.staged, weights, p.state, s.every))
-        return flush(s, policy) if staging.full(s.staged, s.every) else s
+        return _flush_when_full(s, policy)
     if p.keys is None:
         return s._replace(core=policy.settle(p.state, view.decode_weights(weights, p.state), p.alive))
     state = policy.absorb(p.state, p.keys, p.values, view.view_weights(p.state, weights, p.span), p.alive)
@@ -212,7 +212,7 @@ def receive_proxy(s: CacheState, policy: Policy, logits: mx.array) -> CacheState
         raise ValueError(f"logits shape {tuple(logits.shape)} is invalid: expected ({B}, {H}, 1, {p.span})")
     if p.staged:  # kept for the chunk that scores the staged tokens
         s = s._replace(pending=None, staged=staging.with_logits(s.staged, logits, p.state))
-        return flush(s, policy) if staging.full(s.staged, s.every) else s
+        return _flush_when_full(s, policy)
     return s._replace(core=policy.settle_key(p.state, p.key, p.alive, view.decode_weights(logits, p.state)),
                       pending=None)
 
@@ -226,8 +226,13 @@ def settle_proxy(s: CacheState, policy: Policy) -> CacheState:
         return s
     if p.staged:
         s = s._replace(pending=None)
-        return flush(s, policy) if staging.full(s.staged, s.every) else s
+        return _flush_when_full(s, policy)
     return s._replace(core=policy.settle_key(p.state, p.key, p.alive), pending=None)
+
+
+def _flush_when_full(s: CacheState, policy: Policy) -> CacheState:
+    """`flush` once `every` decode tokens are staged (the last one scored or settled), else `s`."""
+    return flush(s, policy) if staging.full(s.staged, s.every) else s
 
 
 def flush(s: CacheState, policy: Policy) -> CacheState:
