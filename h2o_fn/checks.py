@@ -63,7 +63,8 @@ def check_staged_logits(state: H2OState, keys: mx.array, config: H2OConfig, logi
     `[B, H, N, C]`, with scoring="key" and oneshot prefill (greedy judges one token at a time)."""
     if config.scoring != "key" or config.prefill != "oneshot":
         raise ValueError(f"got staged proxy logits with scoring={config.scoring!r}, prefill={config.prefill!r}: "
-                         "expected scoring='key' and prefill='oneshot'")
+                         "expected scoring='key' and prefill='oneshot' (greedy judges each token after the "
+                         "evictions before it, not over the staging slots)")
     want = (*keys.shape[:3], state.positions.shape[-1])
     if tuple(logits.shape) != want:
         raise ValueError(f"logits shape {tuple(logits.shape)} is invalid: expected {want}")

@@ -27,6 +27,7 @@ from typing import NamedTuple, Optional
 import mlx.core as mx
 
 from . import core, prefill, rule, storage
+from .checks import check_staged_logits
 from .config import H2OConfig
 from .prompt import Prompt
 from .state import H2OState
@@ -87,8 +88,7 @@ class Policy(NamedTuple):
         steps from the state before them for greedy."""
         if self.config.prefill == "greedy":
             if logits is not None:
-                raise ValueError("got staged proxy logits with prefill='greedy': expected prefill='oneshot' "
-                                 "(greedy judges each token after the evictions before it)")
+                check_staged_logits(state, keys, self.config, logits)  # refuses greedy
             return self.absorb(core.rewind(state, keys.shape[2]), keys, values, weights)
         return prefill.compiled_absorb_staged(self.config, self.prompt, self.kv)(state, keys, values, weights,
                                                                                    logits)
