@@ -510,7 +510,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         model, tokenizer = common.load_or_exit("bench", args.model, dequantize=not args.quantized)
         need = max(args.contexts + [args.prefill_tokens]) + 1
         tokens = corpus_tokens(tokenizer, need)
-        with explicit_attention(model), query_scoring(model):  # the hooks live for this command only
+        explicit = explicit_attention(model) if args.explicit_baseline else contextlib.nullcontext()
+        with explicit, query_scoring(model):  # the hooks live for this command only
             if "decode" in args.what:
                 caches = caches_at(model, policy, args.budget, args.kv_bits, args.kv_group_size,
                                    args.evict_every_rows, args.explicit_baseline)
