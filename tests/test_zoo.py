@@ -60,7 +60,7 @@ def test_key_scoring_is_a_drop_in_and_bounds_memory(model, request):
     # decode tokens attend through the hook's explicit attention (on the CPU) with the proxy in its
     # product, or (sinks, attention of the model's own) mlx-lm's, the cache scoring the key itself
     got = run(model, cache, ids)
-    assert mx.allclose(got, full, atol=2e-3, rtol=2e-3) or not finite_where_expected(name, full)
+    assert mx.allclose(got, full, atol=2e-3, rtol=2e-3), "logits through the hook differ from mlx-lm's cache"
     remove_query_hook(model)  # mlx-lm's own attention: the same logits
     cache = make_h2o_cache(model, H2OConfig(budget=64, n_sink=2, grace=4, scoring="key"))
     remove_query_hook(model)
@@ -92,7 +92,7 @@ def test_query_scoring_matches_or_names_the_layers_it_cannot_hook(model, request
     else:
         assert not said
     got = run(model, cache, ids)  # no "hook is missing" in the middle of a generation
-    assert mx.allclose(got, full, atol=2e-3, rtol=2e-3) or not finite_where_expected(name, full)
+    assert mx.allclose(got, full, atol=2e-3, rtol=2e-3), "logits through the hook differ from mlx-lm's cache"
     for c in h2o_caches(cache):
         assert not c.wants_weights
 
