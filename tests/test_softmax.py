@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from h2o_fn.softmax import exp, softmax
+from h2o_fn.softmax import _exp_nonpositive, exp, softmax
 
 
 def ulps(got: np.ndarray, want: np.ndarray) -> np.ndarray:
@@ -25,6 +25,13 @@ def test_exp_edges():
     assert got[:3].tolist() == [0.0, 0.0, 0.0]  # masked (-inf) and below the normal range weigh nothing
     assert got[3] == got[4] == 1.0
     assert np.isposinf(got[5]) and np.isposinf(got[6]) and np.isnan(got[7])
+
+
+def test_the_softmax_exponential_is_exp_bit_for_bit_on_its_inputs():
+    rng = np.random.default_rng(1)
+    x = np.concatenate([-rng.exponential(10.0, 100_000), [0.0, -0.0, -87.3, -87.31, -np.inf, np.nan]])
+    got, want = np.array(_exp_nonpositive(mx.array(x, mx.float32))), np.array(exp(mx.array(x, mx.float32)))
+    np.testing.assert_array_equal(got, want)  # NaN where NaN
 
 
 @pytest.mark.parametrize("shape", [(1, 3, 1, 7), (2, 3, 3, 1, 513), (1, 1, 4, 2049)])
