@@ -44,6 +44,7 @@ from h2o_fn import (
     step,
 )
 from h2o_fn.softmax import exp as fast_exp
+from h2o_fn.softmax import softmax as fast_softmax
 
 from .. import attention
 from ..attention import query_scoring
@@ -149,20 +150,25 @@ def bench_update(configs, kv_bits: Optional[int], group_size: int = 64, H=3, D=6
 
 
 def bench_profile(configs, layers=30, repeats=60) -> list:
-    """A decode step's parts, compiled, evaluated once per `layers` chained calls (as in a model).
+    """A decode step's parts, compiled, evaluated once per `layers` chained calls (as in a model:
+    each layer its own state, so a part that reads the keys reads `layers` stores from memory).
 
     `configs`: budget -> the key-scoring H2O config at that budget. The parts are the
-    core's public functions (`admit`, `key_weights`, `protected_argmin`, `evict`, `step`).
+    core's public functions (`admit`, `key_weights`, `protected_argmin`, `evict`, `step`),
+    beside two floors: one read of the keys, and the hook's softmax over attention's rows.
     """
     rows = []
     for budget, cfg in configs.items():
         ctx, tok = mx.random.normal((1, 3, budget, 64)), mx.random.normal((1, 3, 1, 64))
         start = absorb(init(cfg, 1, 3, 64, mx.float32), ctx, ctx, cfg)
         logits = mx.random.normal(start.scores.shape)  # as the hook's product hands them over
-        mx.eval(start, tok, logits)
+        query_logits = mx.random.normal((1, 3, 3, start.scores.shape[-1]))  # 9 query heads, 3 per KV head
+        mx.eval(start, tok, logits, query_logits)
         parts = {
             "call + eval only": lambda s: s._replace(seen=s.seen + 1),
             "admit (write the row)": lambda s: admit(s, tok, tok),
+            "read the keys once (a sum over D: what any pass over them costs)": lambda s: s._replace(
+                scores=s.keys.sum(-1)),
             "proxy weights": lambda s: s._replace(scores=key_weights(s, tok)[..., 0, :]),
             "protected argmin": lambda s: s._replace(
                 positions=s.positions
@@ -173,6 +179,8 @@ def bench_profile(configs, layers=30, repeats=60) -> list:
                 scores=mx.exp(-s.scores)),
             "h2o_fn.softmax.exp of C scores per KV head (the proxy's)": lambda s: s._replace(
                 scores=fast_exp(-s.scores)),
+            "h2o_fn.softmax over 3 query rows per KV head (the hook's attention weights)": lambda s: s._replace(
+                scores=fast_softmax(query_logits)[:, :, 0]),
             "step": lambda s: step(s, tok, tok, cfg),
             "admit + settle_key from attention's logits (the step outside attention, hooked)": lambda s: settle_key(
                 admit(s, tok, tok), tok, cfg, logits=logits),
@@ -223,7 +231,8 @@ def _staged_rows(cfg, ctx, budget: int, layers: int, repeats: int, k: int = 8) -
 
 
 def _chained(fn, start, layers, repeats, hold=None) -> float:
-    states, times = [start] * layers, []
+    states, times = [_copied(start) for _ in range(layers)], []
+    mx.eval(states)
     for _ in range(repeats):
         if hold is not None:
             hold[:] = [s.keys for s in states]
@@ -232,6 +241,13 @@ def _chained(fn, start, layers, repeats, hold=None) -> float:
         mx.eval(states)
         times.append(time.perf_counter() - t)
     return statistics.median(times[min(5, len(times) - 1):]) / layers * 1e6
+
+
+def _copied(tree):
+    """A copy of every array in a state (nested tuples of arrays): a layer's own buffers."""
+    if isinstance(tree, tuple):
+        return type(tree)(*map(_copied, tree)) if hasattr(tree, "_fields") else tuple(map(_copied, tree))
+    return tree + mx.zeros((), tree.dtype)  # a new buffer with the same values
 
 
 # ---------------------------------------------------------------- model decode / prefill
