@@ -4,12 +4,12 @@ mlx 0.32's CPU `exp` costs 10-25 ns per float32 element on the machines we measu
 (BENCHMARKS.md: it is most of a decode step's proxy weights at 2048-4096 slots) and is
 off by up to 61 ulp. `exp` here is Cephes' `expf` (range reduction by ln 2 in two
 parts, a degree-6 polynomial, the exponent written into the float's bits): plain
-multiply-adds that `mx.compile` fuses into three vectorized loops (it cuts at the bit
-cast and where the rounded n is read twice), within 1 ulp of the float64 exponential
-and several times faster. The softmax's inputs (the max subtracted) are <= 0, so it
-skips the upper clip and the inf branch (`_exp_nonpositive`, the same values). Below -87.3 (the smallest normal float32
-is e^-87.34) it is exactly 0, so masked entries (-inf) weigh nothing; above 88.37 it is
-inf (2^128 has no float32 exponent; the softmax never gets there: its inputs are <= 0);
+multiply-adds that `mx.compile` fuses into a few loops (it cuts at the bit cast and
+where an intermediate is read twice), within 1 ulp of the float64 exponential and
+several times faster. The softmax's inputs (the max subtracted) are <= 0, so it skips
+the upper clip and the inf branch (`_exp_nonpositive`: the same values, three loops).
+Below -87.3 (the smallest normal float32 is e^-87.34) it is exactly 0, so masked
+entries (-inf) weigh nothing; above 88.37 it is inf (2^128 has no float32 exponent);
 NaN stays NaN.
 
 Shapes: any; `softmax` normalises along one axis.
@@ -32,7 +32,7 @@ _ROUND = 12582912.0  # 1.5 * 2^23: (y + _ROUND) - _ROUND is y rounded to the nea
 
 def _rounded(y: mx.array) -> mx.array:
     # not mx.floor: g++ (mlx's CPU compiler, baseline x86-64) calls libm's floorf per
-    # element, which keeps the fused loop from vectorizing (BENCHMARKS.md: ~20% of a softmax)
+    # element, which keeps the fused loop scalar (BENCHMARKS.md, "The softmax without a floor")
     return (y + _ROUND) - _ROUND
 
 
