@@ -7,7 +7,7 @@ parts, a degree-6 polynomial, the exponent written into the float's bits): plain
 multiply-adds that `mx.compile` fuses into a few loops (it cuts at the bit cast and
 where an intermediate is read twice), within 1 ulp of the float64 exponential and
 several times faster. The softmax's inputs (the max subtracted) are <= 0, so it skips
-the upper clip and the inf branch (`_exp_nonpositive`: the same values, three loops).
+the upper clip and the inf branch (`_exp_nonpositive`: the same values).
 Below -87.3 (the smallest normal float32 is e^-87.34) it is exactly 0, so masked
 entries (-inf) weigh nothing; above 88.37 it is inf (2^128 has no float32 exponent);
 NaN stays NaN.
