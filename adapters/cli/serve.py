@@ -1,57 +1,12 @@
 """`python -m h2o_fn serve`: mlx-lm's OpenAI-compatible server (`mlx_lm.server`) with H2O caches.
 
-Every cache the server builds for the model is an H2O cache list (`use_h2o`): the
-continuous-batching path (mlx-lm's `BatchGenerator`, taken because every H2O cache has
-`merge`), the one-request-at-a-time path, streaming and non-streaming alike. The model
-is loaded by h2o-fn's `--model` loader (the bundled SmolLM2-135M-Instruct GGUF by
-default, a GGUF file, an mlx-lm model directory or a hub id).
-
-Flags: `--model`, the H2O policy flags of `generate` (`--budget`, `--n-sink`, `--grace`,
-`--decay`, `--scoring`, `--prefill`, `--kv-bits`, `--kv-group-size`, `--window`, `--pool`,
-`--allocation`: per-layer budgets, planned once at load), and mlx_lm.server's
-own flags (`--host`, `--port`, `--max-tokens`, `--temp`, `--decode-concurrency`,
-`--prompt-cache-size`, ...), taken from mlx_lm.server's own parser. `--kv-bits` and
-`--kv-group-size` are H2O's (kept rows stored quantized); mlx_lm.server's quantized cache
-(and its `--quantized-kv-start`) would replace H2O's and switch batching off, so it is
-not offered. Refused with the reason: `--adapter-path`, `--draft-model` /
-`--num-draft-tokens` (speculative decoding trims the cache after rejected drafts, which
-H2O cannot do once it has evicted), `--trust-remote-code`, `--pipeline`.
-
-Prompt-cache reuse stays on, and is correct with H2O. mlx_lm.server keeps finished
-requests' caches (and system-prompt prefixes) in its LRU prompt cache and, for a new
-prompt, deep-copies the nearest entry:
-- an entry whose tokens the prompt extends (a conversation's next turn) continues from
-  the stored H2O state: the same tokens fed in more chunks, which is what H2O would hold
-  had the conversation been one stream (a cold request of the same prompt, prefilled
-  in one chunk, may evict differently);
-- an entry longer than the prompt is trimmed back only while it is trimmable, i.e. has
-  evicted nothing (`H2OKVCache.is_trimmable`); an entry that has evicted is never
-  trimmed: the server falls back to a shorter entry or a fresh cache;
-- an entry equal to the whole prompt (mlx-lm 0.32 would hand over a cache with no token
-  left to feed, which its batch generator rejects): stepped back one token, by trimming
-  when trimmable, else from the nearest shorter entry (`H2OPromptCache`).
-`--prompt-cache-size 0` switches reuse off.
-
-Long prompts are read query-agnostically (`--prompt-retention repeat`, the default): when
-the tokens a prompt still needs would overflow the budget, all but its last `--window`
-tokens go through `cache_prompt`'s repeat pass before mlx-lm's generator sees the prompt
-(`PromptReader`, called from `H2OPromptCache.fetch_nearest_cache` on the generation
-thread); the generator feeds the rest (the question) as usual. So the entry stored after
-the request kept what later questions ask for (a next turn, another question about the
-same document), not only what this request's question attended to. It costs about two
-prefills of the prompt's bulk, during which the other requests' decoding waits.
-`--prompt-retention window`: the adapter's chunk scoring alone, as before.
-
-Observability: `GET /v1/h2o/stats` returns, for the model being served, the policy, the
-budget of each H2O layer (`budget_per_layer`), and the tokens kept and seen per layer,
-maximised over every cache stored in the prompt cache since the start (`stored`: mlx-lm
-stores each finished request's cache as type "assistant", and prompt prefixes as
-"system"/"user", or as "assistant" when the prompt is one segment, e.g. a text
-completion; `by_type` counts them) and over the entries held now (`held`, with their
-bytes and how many are still trimmable); `within_budget` compares the stored maxima with
-the budgets. A log line per stored cache says the same. Requests still running are not
-counted until they finish. Every number is read from the caches (`tokens_kept`,
-`tokens_seen`, `config.budget`, `nbytes`, `is_trimmable()`).
+What it does and where it stops (flags, batching, the prompt cache with H2O, long
+prompts, refused requests, failures, `GET /v1/h2o/stats`, measured limits) is described
+once, in docs/serve.md. Here: `H2OModelProvider` (loads with `common.load_model` and
+applies `use_h2o`, so every cache the server builds is H2O), `H2OPromptCache` (mlx-lm's
+LRU prompt cache with H2O's trimming rule and the stats), `PromptReader` (the repeat pass
+for long prompts) and `H2OAPIHandler` (plus the stats endpoint); every override of
+mlx-lm's own server is in `serve_compat.py`, request checks in `serve_requests.py`.
 
 Example:
     h2o-fn serve --budget 256 --port 8080
