@@ -41,32 +41,69 @@ from . import cache_state, staging
 from .cache_state import CacheState, Pending, Step
 
 __all__ = ["DEFAULT_CONFIG", "DEFAULT_PROMPT", "BatchH2OKVCache", "H2OKVCache", "HookProtocol", "Pending", "Step", "cache_policy",
-           "prompt_for"]
+           "config_for", "prompt_for", "recommended"]
 
-# What make_h2o_cache and H2OKVCache use without a config, chosen from BENCHMARKS.md
-# (quality first, then speed; its "Streaming perplexity", "Sweep" and pass-key tables
-# hold the figures): true-query scoring with oneshot prefill, and a prompt longer than
-# 48 tokens compressed by its last 48 queries with spans of 15 kept together (chunks of
-# 16, as in streaming, are not compressed that way).
+# The recommended policy, chosen from BENCHMARKS.md (quality first, then speed; its
+# "Streaming perplexity", "Sweep" and pass-key tables hold the figures): true-query scoring
+# with oneshot prefill, and a prompt longer than 48 tokens compressed by its last 48
+# queries with spans of 15 kept together (chunks of 16, as in streaming, are not
+# compressed that way). The one source of every default: `make_h2o_cache`, `use_h2o`,
+# `H2OKVCache`, the commands' flags and serve all read them (through `recommended`).
 DEFAULT_CONFIG = H2OConfig(scoring="query", prefill="oneshot")
 DEFAULT_PROMPT = Prompt(window=48, pool=15)
 
 
-def prompt_for(config: Optional[H2OConfig], prompt: Optional[Prompt]) -> Prompt:
-    """The prompt scoring a cache takes: `prompt`, else `DEFAULT_PROMPT` beside the default
-    config and plain oneshot (`Prompt()`) beside a config of your own."""
-    if prompt is not None:
-        if not isinstance(prompt, Prompt):
-            raise TypeError(f"prompt is a {type(prompt).__name__}: expected an h2o_fn.Prompt")
-        return prompt
-    return DEFAULT_PROMPT if config is None else Prompt()
+def recommended(budget: int = DEFAULT_CONFIG.budget) -> H2OConfig:
+    """The recommended policy at `budget`: `DEFAULT_CONFIG.at_budget(budget)` (n_sink and
+    grace shrink below 64 so that the budget holds them). `h2o-fn generate --budget N` runs it.
+
+    Example:
+        >>> recommended(256) == DEFAULT_CONFIG._replace(budget=256)
+        True
+        >>> recommended(32)
+        H2OConfig(budget=32, n_sink=4, grace=8, decay=0.98, scoring='query', prefill='oneshot')
+    """
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise TypeError(f"budget={budget!r} is invalid: expected an int (tokens kept per layer and KV head)")
+    return DEFAULT_CONFIG.at_budget(budget)
+
+
+def config_for(config: Optional[H2OConfig] = None, budget: Optional[int] = None) -> H2OConfig:
+    """The rule a cache takes: `config` exactly as given (every field, `scoring` included), or
+    the recommended policy at `budget` (`recommended`; no budget: `DEFAULT_CONFIG`).
+
+    Passing both is an error: a config already holds its budget (`config.at_budget(n)`
+    rescales one). A config is a complete value, so a field left at `H2OConfig`'s own
+    default (`scoring="key"`: the core alone has no queries) is used as given.
+    """
+    if config is None:
+        return DEFAULT_CONFIG if budget is None else recommended(budget)
+    if not isinstance(config, H2OConfig):
+        hint = f"; for the recommended policy at a budget pass budget={config!r}" if isinstance(config, int) else ""
+        raise TypeError(f"config={config!r} is a {type(config).__name__}: expected an h2o_fn.H2OConfig or None{hint}")
+    if budget is not None:
+        raise ValueError(f"got config={config} and budget={budget!r}: expected one of them (budget=N is the "
+                         "recommended policy at N; a config holds its own budget: config.at_budget(N))")
+    return config
+
+
+def prompt_for(config: Optional[H2OConfig] = None, prompt: Optional[Prompt] = None) -> Prompt:
+    """The prompt scoring a cache takes: `prompt`, else `DEFAULT_PROMPT`, whatever the config
+    (the prompt scoring is a policy beside the rule: a config of your own keeps it).
+    `config` is unused; it stays for the callers that pass it."""
+    del config
+    if prompt is None:
+        return DEFAULT_PROMPT
+    if not isinstance(prompt, Prompt):
+        raise TypeError(f"prompt is a {type(prompt).__name__}: expected an h2o_fn.Prompt")
+    return prompt
 
 
 def cache_policy(config: Optional[H2OConfig] = None, argmin=protected_argmin, prompt: Optional[Prompt] = None,
-                 kv_bits: Optional[int] = None, kv_group_size: int = 64) -> Policy:
-    """The `Policy` a cache built with these arguments holds: `config` (default
-    `DEFAULT_CONFIG`), `prompt_for(config, prompt)` and `Storage(kv_bits, kv_group_size)`."""
-    return Policy(config or DEFAULT_CONFIG, argmin, prompt_for(config, prompt), Storage(kv_bits, kv_group_size))
+                 kv_bits: Optional[int] = None, kv_group_size: int = 64, *, budget: Optional[int] = None) -> Policy:
+    """The `Policy` a cache built with these arguments holds: `config_for(config, budget)`,
+    `prompt_for(prompt)` (default `DEFAULT_PROMPT`) and `Storage(kv_bits, kv_group_size)`."""
+    return Policy(config_for(config, budget), argmin, prompt_for(config, prompt), Storage(kv_bits, kv_group_size))
 
 
 class HookProtocol(_BaseCache):
@@ -112,22 +149,27 @@ class H2OKVCache(HookProtocol):
     """A fixed-budget KV cache that evicts the lowest-scoring unprotected token.
 
     Args:
-      config: the eviction policy (default `DEFAULT_CONFIG`: true-query scoring, which
-        needs the attention hook: `make_h2o_cache` installs it).
+      config: the eviction rule, used as given (default: `recommended(budget)`; true-query
+        scoring needs the attention hook: `make_h2o_cache` installs it).
       argmin: the eviction op (`h2o_fn.metal_ops.protected_argmin`: the fused kernel on a GPU).
       state: what the cache starts from (default: empty).
       evict_every: decode tokens judged at a time, k (`staging`: budget + k slots; default 1).
       prompt: how a prompt chunk is scored (`h2o_fn.Prompt`; default `prompt_for(config)`).
       kv_bits, kv_group_size: store the kept rows quantized, as mlx-lm's `QuantizedKVCache`
         (`h2o_fn.Storage`; default None: the model's dtype).
+      budget: instead of `config`, the recommended policy at this budget (`recommended`).
+
+    Reading the cache (`state`, `layer_state`, `core_state`, `is_trimmable()`) never changes
+    it: a key-scored token waiting for attention's logits is settled on a copy (`_read`).
     """
 
     step = 256  # mlx-lm's KVCache growth step; H2O allocates its C slots once
 
     def __init__(self, config: Optional[H2OConfig] = None, argmin=protected_argmin,
                  state: Optional[CacheState] = None, evict_every: Optional[int] = None,
-                 prompt: Optional[Prompt] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64):
-        self.policy = cache_policy(config, argmin, prompt, kv_bits, kv_group_size)
+                 prompt: Optional[Prompt] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64, *,
+                 budget: Optional[int] = None):
+        self.policy = cache_policy(config, argmin, prompt, kv_bits, kv_group_size, budget=budget)
         self._s = _starting(state, evict_every)
         self._view = None  # what the last update returned (for layers that share this KV)
 
@@ -191,11 +233,16 @@ class H2OKVCache(HookProtocol):
     group_size = property(lambda self: self.bits and self.policy.kv.group_size)
 
     def is_trimmable(self) -> bool:
-        """Trimming is exact only while nothing has been evicted (staged tokens count as held)."""
-        return self.ready("trim").lengths == self._s.seen
+        """Whether nothing was evicted (staged tokens count as held); False, not an error,
+        while attention weights are pending."""
+        s = self._read()
+        return s.pending is None and s.lengths == s.seen
 
     def trim(self, n: int) -> int:
+        """Forget the n newest tokens while nothing was evicted (else 0); raises while weights are pending."""
         if not self.is_trimmable():
+            self.ready("trim")  # raises while weights are pending
+            return 0
             return 0
         self.flush()  # nothing was evicted, so scoring the staged tokens evicts nothing either
         self._s, n = cache_state.trim(self._s, n)
@@ -209,9 +256,8 @@ class H2OKVCache(HookProtocol):
     def state(self):
         """`cache_state.to_arrays` then `meta_state` (mlx-lm 0.32 saves only `state`, so the
         config travels as its last element). mlx-lm evaluates `c.state` between prompt
-        chunks: reading it changes nothing the cache holds (a waiting key-scored
-        token is settled, as it would be at the next update)."""
-        return (*cache_state.to_arrays(self.ready("save")), self.meta_state)
+        chunks: reading it changes nothing (`_read`). Raises while attention weights are pending."""
+        return (*cache_state.to_arrays(self._read("save")), self.meta_state)
 
     @state.setter
     def state(self, v):
@@ -234,11 +280,17 @@ class H2OKVCache(HookProtocol):
         self._s = cache_state.flush(self.ready("flush"), self.policy)
 
     def ready(self, what: str) -> CacheState:
-        """The state with a waiting key-scored token settled (`cache_state.settle_proxy`);
-        raises, naming `what`, while attention weights are pending."""
-        self._s = cache_state.settle_proxy(self._s, self.policy)
-        cache_state.require_settled(self._s, what)
+        """`_read(what)`, kept: for the methods that change the cache."""
+        self._s = self._read(what)
         return self._s
+
+    def _read(self, what: Optional[str] = None) -> CacheState:
+        """The state as the next update sees it, a waiting key-scored token settled on a copy
+        (`cache_state.settle_proxy`); with `what`, raises naming it while weights are pending."""
+        s = cache_state.settle_proxy(self._s, self.policy)
+        if what is not None:
+            cache_state.require_settled(s, what)
+        return s
 
     def settled(self, what: str) -> CacheState:
         """`ready`, and the staged tokens scored."""
@@ -247,8 +299,8 @@ class H2OKVCache(HookProtocol):
         return self._s
 
     def kept_rows(self) -> tuple:
-        """`(keys, values)` `[B, H, K, D]` of the kept tokens, dense (dequantized with
-        kv_bits) and sorted by position (`compact` first); K = tokens_kept."""
+        """`(keys, values)` `[B, H, K, D]` of the kept tokens, dense and sorted by position
+        (`compact` first, which moves rows); K = tokens_kept."""
         self.compact()
         return cache_state.kept_rows(self._s, self.policy.kv)
 
@@ -274,8 +326,8 @@ class H2OKVCache(HookProtocol):
 
     @property
     def core_state(self) -> Optional[H2OState]:
-        """The pure state, for inspection (`h2o_fn.kept_positions(cache.core_state)`)."""
-        return self.ready("inspect").core
+        """The pure state (`h2o_fn.kept_positions(cache.core_state)`); raises while weights are pending."""
+        return self._read("inspect").core
 
     # ------------------------------------------------------------ caches in lockstep
 
@@ -286,9 +338,12 @@ class H2OKVCache(HookProtocol):
 
     @property
     def layer_state(self) -> CacheState:
-        """The whole state (immutable; `core_state` is its settled core), a waiting
-        key-scored token settled (`cache_state.settle_proxy`)."""
-        self._s = cache_state.settle_proxy(self._s, self.policy)
+        """The whole state (immutable; `core_state` is its core), as `_read` gives it."""
+        return self._read()
+
+    def settle(self) -> CacheState:
+        """`ready` without the check: the layout this cache keeps, for `lockstep` followers."""
+        self._s = self._read()
         return self._s
 
 

@@ -6,13 +6,19 @@ caches: DeepSeek sparse attention's indexer, two attention sublayers) keeps them
 lockstep (`h2o_fn.adapters.lockstep`); sliding-window, chunked and recurrent layers
 keep the model's own cache. The names users need are re-exported here.
 
+One policy, one set of defaults: `make_h2o_cache(model, budget=N)` (also `use_h2o`,
+`H2OKVCache(budget=N)`) is the recommended policy at N, what `h2o-fn generate --budget N`
+runs: `recommended(N)` (`DEFAULT_CONFIG.at_budget(N)`) with `DEFAULT_PROMPT`. A config
+you pass instead is the rule exactly as given, `scoring` included (`H2OConfig`'s own
+default is "key"; the recommended one is "query"), and keeps `DEFAULT_PROMPT` unless you
+pass `prompt=`.
+
 Example:
     >>> from mlx_lm import generate                                    # doctest: +SKIP
-    >>> from h2o_fn import H2OConfig
     >>> from h2o_fn.adapters.gguf import load_gguf
     >>> from h2o_fn.adapters.mlx_lm import make_h2o_cache
     >>> model, tokenizer = load_gguf()                                 # doctest: +SKIP
-    >>> cache = make_h2o_cache(model, H2OConfig(budget=128))           # doctest: +SKIP
+    >>> cache = make_h2o_cache(model, budget=128)                      # doctest: +SKIP
     >>> text = generate(model, tokenizer, "Hello", max_tokens=20, prompt_cache=cache)  # doctest: +SKIP
 """
 
@@ -30,13 +36,14 @@ from h2o_fn.allocation import POLICIES, pyramid
 from h2o_fn.metal_ops import protected_argmin
 
 from .attention import install_query_hook, is_hooked
-from .cache import DEFAULT_CONFIG, DEFAULT_PROMPT, BatchH2OKVCache, H2OKVCache, cache_policy, prompt_for
+from .cache import (DEFAULT_CONFIG, DEFAULT_PROMPT, BatchH2OKVCache, H2OKVCache, cache_policy, config_for, prompt_for,
+                    recommended)
 from .lockstep import H2OCacheList, H2OFollower
 from .retention import REPEAT_PROMPT, cache_prompt, repeat_prefix
 
 __all__ = ["DEFAULT_CONFIG", "DEFAULT_PROMPT", "REPEAT_PROMPT", "BatchH2OKVCache", "H2OCacheList", "H2OFollower",
-           "H2OKVCache", "cache_policy", "cache_prompt", "h2o_caches", "h2o_layer_count", "layer_evict_every", "make_h2o_cache",
-           "plan_layers", "prompt_for", "repeat_prefix", "use_h2o"]
+           "H2OKVCache", "cache_policy", "cache_prompt", "config_for", "h2o_caches", "h2o_layer_count",
+           "layer_evict_every", "make_h2o_cache", "plan_layers", "prompt_for", "recommended", "repeat_prefix", "use_h2o"]
 
 
 def _kv_per_layer(caches: Sequence[Any]) -> List[int]:
@@ -109,14 +116,20 @@ def make_h2o_cache(
     prompt: Optional[Prompt] = None,
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
+    *,
+    budget: Optional[int] = None,
 ) -> List[Any]:
     """The per-layer cache list for `prompt_cache=` in mlx-lm's generate functions.
 
     Full-attention layers (mlx-lm's plain `KVCache`, also inside a `CacheList`) get an
     `H2OKVCache`; sliding-window, chunked and recurrent layers keep the model's own cache.
+    `make_h2o_cache(model, budget=256)` is the recommended policy at 256, the policy of
+    `h2o-fn generate --budget 256`.
 
     Args:
-      config: the policy (default `DEFAULT_CONFIG`).
+      config: the eviction rule, used exactly as given, `scoring` included (`H2OConfig()`
+        scores by the key proxy; the recommended policy by the model's queries). Default:
+        the recommended policy at `budget` (`recommended`; `DEFAULT_CONFIG` without one).
       budgets: optional per-layer budgets, one per H2O layer, each with the policy's
         n_sink and grace (a budget that cannot hold them is an error naming the layer),
         or an allocation policy's name: "uniform" or "pyramid" ("calibrated" needs the
@@ -124,10 +137,12 @@ def make_h2o_cache(
       evict_every: decode tokens judged at a time (`H2OKVCache`'s; layers that hold
         several KV caches in lockstep take 1, with a warning naming them).
       prompt: how prompt chunks are scored (`h2o_fn.Prompt`: SnapKV's window and pooling;
-        default `DEFAULT_PROMPT` with the default config, `Prompt()` with your own).
+        default `DEFAULT_PROMPT`, with a config of your own too; `Prompt()` is plain oneshot).
       kv_bits, kv_group_size: store the kept rows quantized, as mlx-lm's `kv_bits` and
         `kv_group_size` do (`h2o_fn.Storage`; default None: the model's dtype). mlx-lm
         then attends through its quantized attention.
+      budget: tokens kept per layer and KV head, for the recommended policy (instead of
+        `config`; passing both is an error naming both).
 
     What it installs: the attention hook on the model's modules (`h2o_fn.adapters.attention`;
     `remove_query_hook(model)` takes it off; it falls through for every other cache). Query
@@ -138,27 +153,29 @@ def make_h2o_cache(
     cannot (attention outside mlx-lm's `scaled_dot_product_attention`, heads the cache
     does not hold) fall back to key scoring, with a warning naming them.
     """
-    kv = Storage(kv_bits, kv_group_size)
-    configs = plan_layers(model, config, budgets, argmin, kv)
-    return _build(model, configs, argmin, layer_evict_every(model, evict_every), prompt_for(config, prompt), kv)
+    policy = cache_policy(config, argmin, prompt, kv_bits, kv_group_size, budget=budget)
+    configs = plan_layers(model, policy.config, budgets, argmin, policy.kv)
+    return _build(model, configs, argmin, layer_evict_every(model, evict_every), policy.prompt, policy.kv)
 
 
 def use_h2o(model: nn.Module, config: Optional[H2OConfig] = None,
             budgets: Union[None, str, Sequence[int]] = None, argmin=protected_argmin, evict_every: int = 1,
-            prompt: Optional[Prompt] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64):
+            prompt: Optional[Prompt] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64, *,
+            budget: Optional[int] = None):
     """Make H2O the cache mlx-lm builds for `model` everywhere: `make_prompt_cache(model)`,
     `batch_generate`, `BatchGenerator` and `mlx_lm.server` then get `make_h2o_cache`'s
-    list (planned once: per-layer configs and the query-scoring probe are not redone).
-    Sets `model.make_cache` on the instance; returns a function that removes it.
+    list, with the same arguments and defaults (planned once: per-layer configs and the
+    query-scoring probe are not redone). Sets `model.make_cache` on the instance; returns
+    a function that removes it.
 
     Example:
-        >>> undo = use_h2o(model, H2OConfig(budget=256))          # doctest: +SKIP
+        >>> undo = use_h2o(model, budget=256)                      # doctest: +SKIP
         >>> mlx_lm.batch_generate(model, tokenizer, prompts)       # doctest: +SKIP
         >>> undo()                                                 # doctest: +SKIP
     """
-    kv = Storage(kv_bits, kv_group_size)
-    configs, every = plan_layers(model, config, budgets, argmin, kv), layer_evict_every(model, evict_every)
-    prompt = prompt_for(config, prompt)
+    policy = cache_policy(config, argmin, prompt, kv_bits, kv_group_size, budget=budget)
+    kv, prompt = policy.kv, policy.prompt
+    configs, every = plan_layers(model, policy.config, budgets, argmin, kv), layer_evict_every(model, evict_every)
     model.make_cache = lambda: _build(model, configs, argmin, every, prompt, kv)
 
     def undo():
@@ -188,8 +205,9 @@ def _budget_list(budgets, config: H2OConfig, n: int) -> Optional[List[int]]:
         return pyramid(n, config.budget, config.n_sink + config.grace + 1)
     if not hasattr(budgets, "__len__") or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool)
                                                   for b in budgets):
+        one = f" (one budget for every layer: budget={budgets!r})" if isinstance(budgets, numbers.Integral) else ""
         raise TypeError(f"budgets={budgets!r} is invalid: expected None, a sequence of ints (one per H2O layer) "
-                        "or a policy name ('uniform', 'pyramid'; 'calibrated' through allocation.budgets_for)")
+                        f"or a policy name ('uniform', 'pyramid'; 'calibrated' through allocation.budgets_for){one}")
     return [int(b) for b in budgets]
 
 
@@ -201,7 +219,7 @@ def plan_layers(model: nn.Module, config: Optional[H2OConfig] = None,
     the weights. Not a pure query: it installs the attention hook on the model's modules, and
     for query scoring it runs one probe token through throwaway caches to find the layers
     whose weights never reach the hook."""
-    config = config or DEFAULT_CONFIG
+    config = config_for(config)
     n = _leaders(_model_caches(model))
     if n == 0:
         kinds = sorted({type(c).__name__ for c in _model_caches(model)})

