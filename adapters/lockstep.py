@@ -64,7 +64,7 @@ class H2OFollower(_BaseCache):
             raise RuntimeError("an H2OFollower needs a leader: build it inside an H2OCacheList")
         B, H, N, _ = keys.shape
         seen = self._seen or [0] * B
-        lead_state = lead.layer_state
+        lead_state = lead.settle()  # the layout the leader keeps (a waiting key-scored token settled)
         led, lead_seen = lead_state.last, list(lead_state.seen)
         if led is not None and led.seen == seen and lead_seen == [s + n for s, n in zip(seen, led.counts)]:
             step = led  # the leader took these tokens already
@@ -100,10 +100,15 @@ class H2OFollower(_BaseCache):
     def _settle(self, positions: mx.array) -> None:
         """Move the last chunk's rows to the leader's layout `positions`, once it is known."""
         if self._chunk is not None:
-            keys, values, before = self._chunk
-            self.keys = view.relayout(keys, before, positions)
-            self.values = view.relayout(values, before, positions)
+            self.keys, self.values = self._relaid(positions)
             self._chunk = None
+
+    def _relaid(self, positions: mx.array):
+        """`(keys, values)` with the last chunk's rows in the layout `positions` (computed, not stored)."""
+        if self._chunk is None:
+            return self.keys, self.values
+        keys, values, before = self._chunk
+        return view.relayout(keys, before, positions), view.relayout(values, before, positions)
 
     def settled(self) -> "H2OFollower":
         """This follower with its last chunk's rows moved to the leader's settled layout."""
@@ -145,9 +150,11 @@ class H2OFollower(_BaseCache):
 
     @property
     def state(self):
-        self.settled()
-        return self.keys, self.values, mx.array(self._seen or [0], dtype=mx.int32), json.dumps(
-            {"empty": self.keys is None})
+        """The rows in the leader's settled layout (relaid on a copy: reading changes nothing),
+        the tokens seen per row and whether it is empty."""
+        keys, values = self._relaid(self.leader.core_state.positions) if self._chunk is not None else (
+            self.keys, self.values)
+        return keys, values, mx.array(self._seen or [0], dtype=mx.int32), json.dumps({"empty": keys is None})
 
     @state.setter
     def state(self, v):

@@ -255,9 +255,75 @@ def test_defaults_agree():
         assert DEFAULT_CONFIG == H2OConfig(scoring="query")  # the rest: the policy defaults
         assert DEFAULT_PROMPT == Prompt(window=48, pool=15)
         assert H2OKVCache().policy.prompt == DEFAULT_PROMPT == make_h2o_cache(model)[0].policy.prompt
-        assert H2OKVCache(H2OConfig()).policy.prompt == Prompt()  # beside a config of your own: plain oneshot
     finally:
         remove_query_hook(model)
+
+
+def test_a_budget_or_a_config_keeps_the_recommended_rest(llama):
+    """`budget=N` is the recommended policy at N, in every entry point; a config of your own
+    is used as given and keeps the recommended prompt scoring (it never silently drops it)."""
+    from h2o_fn.adapters.mlx_lm import cache_policy, recommended, use_h2o
+
+    for n in (8, 32, 256, 512):
+        want = cache_policy(DEFAULT_CONFIG.at_budget(n))
+        assert recommended(n) == DEFAULT_CONFIG.at_budget(n) and want.prompt == DEFAULT_PROMPT
+        assert H2OKVCache(budget=n).policy == want == cache_policy(budget=n)
+        assert all(c.policy == want for c in h2o_caches(make_h2o_cache(llama, budget=n)))
+        undo = use_h2o(llama, budget=n)
+        assert all(c.policy == want for c in h2o_caches(llama.make_cache()))
+        undo()
+    assert make_h2o_cache(llama, DEFAULT_CONFIG)[0].policy == make_h2o_cache(llama)[0].policy
+    assert make_h2o_cache(llama, budget=DEFAULT_CONFIG.budget)[0].policy == make_h2o_cache(llama)[0].policy
+    mine = H2OConfig(budget=64, n_sink=2, grace=4)  # scoring="key": H2OConfig's own default, used as given
+    assert H2OKVCache(mine).policy.prompt == DEFAULT_PROMPT == make_h2o_cache(llama, mine)[0].policy.prompt
+    assert make_h2o_cache(llama, mine)[0].config == mine
+    assert make_h2o_cache(llama, mine, prompt=Prompt())[0].policy.prompt == Prompt()  # plain oneshot, asked for
+
+
+def test_wrong_call_forms_name_the_right_one(llama):
+    with pytest.raises(TypeError, match=r"config=256 is a int: .*pass budget=256"):
+        make_h2o_cache(llama, 256)
+    with pytest.raises(TypeError, match=r"budgets=256 is invalid: .*budget=256"):
+        make_h2o_cache(llama, budgets=256)
+    with pytest.raises(ValueError, match=r"expected one of them .*config.at_budget\(N\)"):
+        make_h2o_cache(llama, H2OConfig(), budget=256)
+    with pytest.raises(TypeError, match=r"budget=256.0 is invalid: expected an int"):
+        H2OKVCache(budget=256.0)
+    with pytest.raises(ValueError, match=r"H2OConfig.budget=0 is invalid"):
+        H2OKVCache(budget=0)
+
+
+def test_reading_a_cache_changes_nothing(llama):
+    """Properties and predicates are reads: `state`, `layer_state`, `core_state` and
+    `is_trimmable()` leave the cache's state as it was (a waiting key-scored token is settled
+    on a copy, twice the same), and `is_trimmable()` is a bool in every state."""
+    from h2o_fn.adapters import cache_state
+
+    cfg = H2OConfig(budget=8, n_sink=1, grace=2, scoring="key")
+    cache = make_h2o_cache(llama, cfg)
+    remove_query_hook(llama)  # no hook: each decode token waits for its own proxy
+    run(llama, cache, [12, 1])
+    c = cache[0]
+    held = c._s
+    assert held.pending is not None and held.pending.key is not None
+    reads = [c.state, c.state, c.layer_state, c.layer_state, c.core_state, c.is_trimmable(), c.is_trimmable()]
+    assert c._s is held  # nothing was assigned
+    assert all(mx.array_equal(a, b) for a, b in zip(reads[0][:6], reads[1][:6]))
+    assert reads[2].lengths == reads[3].lengths and reads[2].pending is None
+    assert all(mx.array_equal(a, b) for a, b in zip(reads[2].core, reads[3].core))
+    assert mx.array_equal(reads[4].positions, cache_state.settle_proxy(held, c.policy).core.positions)
+    assert reads[5] is False and reads[6] is False  # evicted
+    run(llama, cache, [1], TOKENS[:, 13:])  # the next update settles it itself
+    assert c.tokens_seen == 14 and c.tokens_kept == cfg.budget and c._s.pending.key is not None
+
+    fresh = H2OKVCache(H2OConfig(budget=8, n_sink=1, grace=2, scoring="query"))
+    assert fresh.is_trimmable() is True  # empty
+    fresh.update_and_fetch(mx.zeros((1, 2, 3, 16)), mx.zeros((1, 2, 3, 16)))
+    assert fresh.wants_weights and fresh.is_trimmable() is False  # weights pending: a bool, no raise
+    with pytest.raises(RuntimeError, match="cannot save"):
+        fresh.state
+    with pytest.raises(RuntimeError, match="cannot trim"):
+        fresh.trim(1)
 
 
 @pytest.mark.parametrize("scoring, kv_bits", [("key", None), ("query", None), ("query", 4)])
@@ -299,8 +365,9 @@ def test_pending_weights_are_never_lost_silently(llama, tmp_path):
     llama(TOKENS[:, :4], cache=cache)
     with pytest.raises(RuntimeError, match="never arrived"):
         save_prompt_cache(str(tmp_path / "c.safetensors"), cache)
+    assert not can_trim_prompt_cache(cache) and trim_prompt_cache(cache, 2) == 0  # nothing trimmed
     with pytest.raises(RuntimeError, match="never arrived"):
-        trim_prompt_cache(cache, 2)
+        cache[0].trim(2)
     with pytest.raises(RuntimeError, match="hook is missing"):
         llama(TOKENS[:, 4:5], cache=cache)
 

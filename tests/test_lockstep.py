@@ -44,7 +44,11 @@ def test_follower_rows_follow_the_leaders_positions(follower_first, scoring, pre
             w = mx.array(rng.random((1, 2, n, lk.shape[2])).astype(np.float32))
             lead.receive_weights(w)
         seen += n
+        pending, before = follow._chunk, follow.keys
+        read = follow.state  # a read: the rows relaid on a copy, the follower left as it was
+        assert follow._chunk is pending and follow.keys is before
         follow.settled()
+        assert mx.array_equal(read[0], follow.keys) and mx.array_equal(read[1], follow.values)
         positions = np.array(lead.core_state.positions)
         rows = np.array(follow.keys)[..., 0]
         valid = positions >= 0
