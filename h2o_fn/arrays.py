@@ -13,6 +13,7 @@ Example:
 import mlx.core as mx
 
 from . import storage
+from .state import RESERVED
 from .storage import Storage
 
 INT32_MAX = 2**31 - 1
@@ -36,6 +37,12 @@ def newest_slots(positions: mx.array, seen: mx.array, alive=None) -> mx.array:
     that took one (`alive` `[B]`; a row that sat the token out has no newest)."""
     newest = positions == per_row(seen - 1)
     return newest if alive is None else newest & per_row(alive)
+
+
+def slot_order(positions: mx.array) -> mx.array:
+    """Sort keys `[..., C]` int32 that lay slots out canonically: tokens by position, then
+    reserved slots, then free ones (`view.compact`, and every chunk that rewrites a state)."""
+    return mx.where(positions >= 0, positions, mx.where(positions == RESERVED, INT32_MAX - 1, INT32_MAX))
 
 
 def as_dtype(x: mx.array, dtype) -> mx.array:

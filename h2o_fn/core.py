@@ -49,7 +49,7 @@ from .checks import check_chunk, check_kv, check_weights
 from .config import H2OConfig
 from .rule import Argmin, evict, protected_argmin
 from .scoring import accumulate, proxy_softmax, proxy_weights
-from .state import H2OState
+from .state import FREE, H2OState
 from .storage import DENSE, Storage
 
 
@@ -94,7 +94,7 @@ def admit(state: H2OState, key: mx.array, value: mx.array, kv: Storage = DENSE,
 
 def _admit(state: H2OState, key, value, kv, alive):
     """`admit`, also returning the `[B, H, C]` mask of the slots free before it."""
-    free = state.positions < 0
+    free = state.positions == FREE
     slot = mx.argmax(free, axis=-1)  # [B, H]
     here = mx.arange(state.positions.shape[-1]) == slot[..., None]
     add = 1
@@ -151,7 +151,7 @@ def step(
         own = mx.arange(free_before.shape[-1]) == first_free
         w = mx.where(own, weights[..., 0, -1:], weights[..., 0, :-1])
         return settle(admitted, w, config, argmin, alive)
-    w = proxy_weights(admitted.keys, ~free_before, scored_rows(key, state.keys, kv), kv)
+    w = proxy_weights(admitted.keys, state.positions >= 0, scored_rows(key, state.keys, kv), kv)
     return _by_key(admitted, w, config, argmin, alive)
 
 

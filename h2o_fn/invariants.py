@@ -14,19 +14,25 @@ import math
 from typing import List
 
 from .config import H2OConfig
-from .state import H2OState
+from .state import FREE, RESERVED, H2OState
 
 
-def check_invariants(state: H2OState, config: H2OConfig) -> List[str]:
+def check_invariants(state: H2OState, config: H2OConfig, selected=None) -> List[str]:
     """Violations of the H2O invariants in `state`, as messages ([] when it is sound).
 
-    Per (b, h): |S| <= budget and |S| == length[b]; positions unique and in
-    [0, seen[b]); every sink (p < n_sink) and every grace position
-    (p > seen[b] - 1 - grace) kept; scores finite and >= 0; free slots hold
-    position -1 and score 0; while length[b] < budget the valid slots are exactly
-    [0, length[b]).
+    Per (b, h), with r reserved slots (position -2): |S| + r <= budget and
+    |S| + r == length[b]; positions unique and in [0, seen[b]); every sink
+    (p < n_sink) and every grace position (p > seen[b] - 1 - grace) kept, except grace
+    positions below `selected[b]` (a selection keeps sinks only); scores
+    finite and >= 0; free and reserved slots score 0; no other negative position; while
+    length[b] < budget the occupied slots (tokens and reserved) are exactly [0, length[b]).
+
+    `selected`: None, an int or `[B]` ints: each row's positions below it went through a
+    selection (`h2o_fn.budgets.absorb_selected`).
     """
     lengths, seens = state.length.tolist(), state.seen.tolist()
+    selected = [0] * len(seens) if selected is None else ([selected] * len(seens) if isinstance(selected, int)
+                                                          else list(selected))
     problems = []
     positions, scores = state.positions.tolist(), state.scores.tolist()
     for b, (prow, srow, length, seen) in enumerate(zip(positions, scores, lengths, seens)):
@@ -36,29 +42,31 @@ def check_invariants(state: H2OState, config: H2OConfig) -> List[str]:
         for h, (ps, ss) in enumerate(zip(prow, srow)):
             where = f"(b={b}, h={h})"
             kept = [p for p in ps if p >= 0]
-            if len(kept) != length:
-                problems.append(f"{where} holds {len(kept)} tokens, length says {length}")
+            reserved = sum(p == RESERVED for p in ps)
+            if len(kept) + reserved != length:
+                problems.append(f"{where} holds {len(kept)} tokens and {reserved} reserved slots, "
+                                f"length says {length}")
             if len(set(kept)) != len(kept):
                 problems.append(f"{where} duplicate positions {sorted(kept)}")
             if any(p >= seen for p in kept):
                 problems.append(f"{where} position >= seen={seen}: {sorted(kept)}")
-            if any(p < -1 for p in ps):
-                problems.append(f"{where} position < -1: {ps}")
-            missing = must_keep - set(kept)
+            if any(p < 0 and p not in (FREE, RESERVED) for p in ps):
+                problems.append(f"{where} negative position other than {FREE} (free) or {RESERVED} (reserved): {ps}")
+            missing = {p for p in must_keep - set(kept) if p < config.n_sink or p >= selected[b]}
             if missing:
                 problems.append(f"{where} protected positions evicted: {sorted(missing)}")
             for p, s in zip(ps, ss):
                 if p >= 0 and not (math.isfinite(s) and s >= 0):
                     problems.append(f"{where} position {p} has score {s}, expected finite >= 0")
                 if p < 0 and s != 0:
-                    problems.append(f"{where} free slot has score {s}, expected 0")
-            if length < config.budget and any((p >= 0) != (i < length) for i, p in enumerate(ps)):
-                problems.append(f"{where} valid slots are not the prefix [0, {length}): {ps}")
+                    problems.append(f"{where} {'free' if p == FREE else 'reserved'} slot has score {s}, expected 0")
+            if length < config.budget and any((p != FREE) != (i < length) for i, p in enumerate(ps)):
+                problems.append(f"{where} occupied slots are not the prefix [0, {length}): {ps}")
     return problems
 
 
-def assert_invariants(state: H2OState, config: H2OConfig) -> None:
+def assert_invariants(state: H2OState, config: H2OConfig, selected=None) -> None:
     """Raise `AssertionError` listing every violated invariant."""
-    problems = check_invariants(state, config)
+    problems = check_invariants(state, config, selected)
     if problems:
         raise AssertionError("H2O invariants violated:\n  " + "\n  ".join(problems))

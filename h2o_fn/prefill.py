@@ -22,7 +22,7 @@ from typing import Optional
 import mlx.core as mx
 
 from . import storage
-from .arrays import INT32_MAX, as_dtype, dense, f32, knob, per_row, stored_rows, times_rows
+from .arrays import INT32_MAX, as_dtype, dense, f32, knob, per_row, slot_order, stored_rows, times_rows
 from .checks import check_chunk, check_staged_logits, check_weights
 from .config import H2OConfig
 from .core import compiled_step, rewind
@@ -30,7 +30,7 @@ from .prompt import Prompt
 from .rule import Argmin, evict_lowest, protected_argmin
 from .scoring import clean_weights, proxy_softmax, scored_queries
 from .softmax import softmax
-from .state import H2OState
+from .state import FREE, RESERVED, H2OState
 from .storage import DENSE, Storage
 
 
@@ -299,7 +299,7 @@ def _survivors(scores, positions, total, newest, pool, config, at_most=None) -> 
     rank = scores if pool is None else mx.where(per_row(pool[0]), pooled(scores, positions, pool[1]), scores)
     gone = evict_lowest(rank, positions, total - knob(config.budget), newest, config.n_sink, config.grace,
                         at_most=at_most)
-    return (positions >= 0) & ~gone
+    return ((positions >= 0) & ~gone) | (positions == RESERVED)  # reserved slots stay where they are
 
 
 def _evict_in_place(state, scores, pool, config) -> H2OState:
@@ -348,7 +348,7 @@ def _keep_best(state, chunk_keys, chunk_values, scores, real, pool, config) -> H
     total = state.length + real
     budget = knob(config.budget)
     keep = _survivors(scores, positions, total, state.seen + real - 1, pool, config)
-    order = mx.argsort(mx.where(keep, positions, INT32_MAX), axis=-1)[..., :C]  # survivors first
+    order = mx.argsort(slot_order(mx.where(keep, positions, FREE)), axis=-1)[..., :C]  # survivors first
     kept = mx.take_along_axis(keep, order, axis=-1)
     return H2OState(
         keys=storage.take(storage.concat(state.keys, chunk_keys), order),

@@ -1,8 +1,10 @@
 """The executable spec: H2O per head in plain NumPy, float64, one loop per token.
 
 Same names as `h2o_fn.core` (`init`, `admit`, `accumulate`, `evict`, `settle`, `step`,
-`absorb`, `absorb_scored`, `rewind`, `kept_positions`, `key_weights`), written for obviousness, not
-speed. A head is a list of `Token`s; there are no slots. Tie rule, stated once:
+`absorb`, `absorb_scored`, `rewind`, `kept_positions`, `key_weights`) and `h2o_fn.budgets`
+(`select`, `absorb_selected`, `widen`, `tokens`, `reserved`), written for obviousness, not
+speed. A head is a list of `Token`s; there are no slots. A head's reserved slots are a
+count beside its tokens (`RefState.reserved`): its budget is the config's minus them. Tie rule, stated once:
 evict the unprotected token with the lowest score, and among equal scores the
 lowest position (NaN scores count as -inf). The core keeps float32 scores: where
 two exact scores differ by less than float32 resolution the core sees a tie the
@@ -46,10 +48,15 @@ class RefState:
     heads: List[List[List[Token]]]  # [B][H] -> kept tokens, in arrival order
     seen: List[int] = field(default_factory=list)  # [B] tokens absorbed per row
     head_dim: int = 0
+    reserved: List[List[int]] = field(default_factory=list)  # [B][H] reserved slots ([] = none anywhere)
+
+    def held_back(self, b: int, h: int) -> int:
+        """Reserved slots of head (b, h): its budget is the config's minus these."""
+        return self.reserved[b][h] if self.reserved else 0
 
     @property
     def length(self) -> List[int]:
-        return [len(row[0]) if row else 0 for row in self.heads]
+        return [len(row[0]) + self.held_back(b, 0) if row else 0 for b, row in enumerate(self.heads)]
 
 
 def init(config, batch: int, n_heads: int, head_dim: int, dtype=None, value_dim=None, room: int = 1,
@@ -60,7 +67,7 @@ def init(config, batch: int, n_heads: int, head_dim: int, dtype=None, value_dim=
 
 def _copy(state: RefState) -> RefState:
     heads = [[[replace(t) for t in head] for head in row] for row in state.heads]
-    return replace(state, heads=heads, seen=list(state.seen))
+    return replace(state, heads=heads, seen=list(state.seen), reserved=[list(r) for r in state.reserved])
 
 
 def clean(w: float) -> float:
@@ -95,8 +102,8 @@ def _protected(t: Token, newest: int, config) -> bool:
     return t.position < config.n_sink or t.position > newest - config.grace
 
 
-def _evict_head(head: List[Token], newest: int, config) -> List[Token]:
-    while len(head) > config.budget:
+def _evict_head(head: List[Token], newest: int, config, reserved: int = 0) -> List[Token]:
+    while len(head) + reserved > config.budget:
         victim = min((t for t in head if not _protected(t, newest, config)), key=_order)
         head = [t for t in head if t is not victim]
     return head
@@ -106,7 +113,7 @@ def evict(state: RefState, config, argmin=None) -> RefState:
     """Every row down to budget, one lowest (score, position) unprotected token at a time."""
     del argmin
     state = _copy(state)
-    state.heads = [[_evict_head(h, state.seen[b] - 1, config) for h in row]
+    state.heads = [[_evict_head(head, state.seen[b] - 1, config, state.held_back(b, h)) for h, head in enumerate(row)]
                    for b, row in enumerate(state.heads)]
     return state
 
@@ -159,7 +166,7 @@ def settle_key(admitted: RefState, key, config, argmin=None, alive=None, kv=None
     return evict(state, config)
 
 
-def _one_token(head, key, value, position, config, weight_of=None):
+def _one_token(head, key, value, position, config, weight_of=None, reserved: int = 0):
     """Steps 1-4 for one head; `weight_of(p)` gives query weights (None: key proxy)."""
     if weight_of is None:
         w, own = _softmax_weights(head, key), 0.0
@@ -168,7 +175,7 @@ def _one_token(head, key, value, position, config, weight_of=None):
     for t, wj in zip(head, w):
         t.score = config.decay * t.score + wj
     head = head + [Token(position, key, value, own)]
-    return _evict_head(head, position, config)
+    return _evict_head(head, position, config, reserved)
 
 
 def step(state: RefState, key, value, config, weights=None, argmin=None, alive=None, kv=None) -> RefState:
@@ -196,16 +203,16 @@ def absorb(state: RefState, keys, values, config, weights=None, argmin=None, n_a
                 for i in range(n):
                     weight_of = None if weights is None else (lambda p, i=i: weights[b, h, i, p])
                     head = _one_token(head, keys[b, h, i], values[b, h, i], state.seen[b] + i,
-                                      config, weight_of)
+                                      config, weight_of, state.held_back(b, h))
             elif n:
                 head = _oneshot_head(head, keys[b, h, :n], values[b, h, :n], state.seen[b], config,
-                                     None if weights is None else weights[b, h], prompt)
+                                     None if weights is None else weights[b, h], prompt, state.held_back(b, h))
             state.heads[b][h] = head
         state.seen[b] += n
     return state
 
 
-def _oneshot_head(head, keys, values, seen, config, weights, prompt):
+def _oneshot_head(head, keys, values, seen, config, weights, prompt, reserved: int = 0):
     """All of a chunk's weights at once, decayed sums, then evict down to budget."""
     N = len(keys)
     chunk = [Token(seen + i, keys[i], values[i]) for i in range(N)]
@@ -225,13 +232,13 @@ def _oneshot_head(head, keys, values, seen, config, weights, prompt):
         for t, wj in zip(seen_by_i, w):
             t.score += config.decay ** (N - 1 - i) * wj
     r = prompt.pool // 2 if N > prompt.window else 0  # pooling ranks long chunks only
-    return _keep_best(everyone, seen + N - 1, r, config)
+    return _keep_best(everyone, seen + N - 1, r, config, reserved)
 
 
-def _keep_best(everyone: List[Token], newest: int, r: int, config) -> List[Token]:
-    """Evict the lowest (rank, position) unprotected tokens down to budget, all at once;
-    a token's rank is the best score within r positions of it."""
-    k = len(everyone) - config.budget
+def _keep_best(everyone: List[Token], newest: int, r: int, config, reserved: int = 0) -> List[Token]:
+    """Evict the lowest (rank, position) unprotected tokens down to budget (less the head's
+    reserved slots), all at once; a token's rank is the best score within r positions of it."""
+    k = len(everyone) + reserved - config.budget
     if k <= 0:
         return everyone
     rank = {id(t): max(u.score for u in everyone if abs(u.position - t.position) <= r) for t in everyone}
@@ -255,7 +262,7 @@ def absorb_scored(state: RefState, keys, values, scores, config, prompt: Prompt 
             everyone = state.heads[b][h] + [Token(seen + i, keys[b, h, i], values[b, h, i]) for i in range(N)]
             for t in everyone:
                 t.score = clean(scores[b, h, t.position])
-            state.heads[b][h] = _keep_best(everyone, seen + N - 1, prompt.pool // 2, config)
+            state.heads[b][h] = _keep_best(everyone, seen + N - 1, prompt.pool // 2, config, state.held_back(b, h))
         state.seen[b] += N
     return state
 
@@ -323,3 +330,68 @@ def scores_by_position(state: RefState) -> List[List[dict]]:
 def rows_by_position(state: RefState, which: str = "value") -> List[List[dict]]:
     """{position: key or value row} per (b, h): what the stored rows must hold."""
     return [[{t.position: getattr(t, which) for t in head} for head in row] for row in state.heads]
+
+
+# ---------------------------------------------------------------- budgets across heads and layers
+
+
+def tokens(state: RefState) -> List[List[int]]:
+    """Tokens kept per (b, h)."""
+    return [[len(head) for head in row] for row in state.heads]
+
+
+def reserved(state: RefState) -> List[List[int]]:
+    """Reserved slots per (b, h)."""
+    return [[state.held_back(b, h) for h in range(len(row))] for b, row in enumerate(state.heads)]
+
+
+def select(scores, positions, total, n_sink: int) -> List[np.ndarray]:
+    """Keep masks `[B, H, M_l]` per layer: per batch row, every (layer, head, slot) holding a
+    token ranked by (sink first, score, position, earlier layer, earlier head), best first;
+    the first total[b] are kept."""
+    B = np.asarray(scores[0]).shape[0]
+    total = np.broadcast_to(np.asarray(total), (B,))
+    out = [np.zeros(np.asarray(s).shape, dtype=bool) for s in scores]
+    for b in range(B):
+        entries = []
+        for layer, (s, p) in enumerate(zip(scores, positions)):
+            s, p = np.asarray(s, np.float64), np.asarray(p)
+            for h in range(s.shape[1]):
+                for j in range(s.shape[2]):
+                    if p[b, h, j] >= 0:
+                        rank = math.inf if p[b, h, j] < n_sink else clean(float(np.float32(s[b, h, j])))
+                        entries.append(((rank, int(p[b, h, j])), (-layer, -h), (layer, h, j)))
+        entries.sort(reverse=True)
+        for _, _, (layer, h, j) in entries[: int(total[b])]:
+            out[layer][b, h, j] = True
+    return out
+
+
+def absorb_selected(state: RefState, keys, values, scores, keep, held: int, capacity: int = 0, kv=None) -> RefState:
+    """A chunk `[B, H, N, D]` and the kept tokens reduced to the `keep[b, h, p]` ones (by
+    position), each scored `scores[b, h, p]`; every head then holds `held` slots: its tokens
+    and held - len(tokens) reserved ones."""
+    del capacity, kv
+    keys, values = np.asarray(keys, np.float64), np.asarray(values, np.float64)
+    scores, keep = np.asarray(scores, np.float64), np.asarray(keep, bool)
+    state = _copy(state)
+    B, H, N, _ = keys.shape
+    state.reserved = [[0] * H for _ in range(B)]
+    for b in range(B):
+        seen = state.seen[b]
+        for h in range(H):
+            everyone = state.heads[b][h] + [Token(seen + i, keys[b, h, i], values[b, h, i]) for i in range(N)]
+            kept = [replace(t, score=clean(scores[b, h, t.position])) for t in everyone if keep[b, h, t.position]]
+            if len(kept) > held:
+                raise ValueError(f"head ({b}, {h}) keeps {len(kept)} tokens: expected at most held={held}")
+            state.heads[b][h] = sorted(kept, key=lambda t: t.position)
+            state.reserved[b][h] = held - len(kept)
+        state.seen[b] += N
+    return state
+
+
+def widen(state: RefState, extra: int) -> RefState:
+    """`extra` more reserved slots in every head."""
+    state = _copy(state)
+    state.reserved = [[state.held_back(b, h) + extra for h in range(len(row))] for b, row in enumerate(state.heads)]
+    return state

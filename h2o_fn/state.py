@@ -15,6 +15,14 @@ exactly `[0, length[b])`; from the first eviction on, `length[b] == budget`
 after every token, with one free slot somewhere. So the first `length[b] + 1`
 slots always hold the kept tokens plus the slot the next token takes.
 
+A slot is free (position `FREE` = -1), holds a token (position >= 0), or is reserved
+(position `RESERVED` = -2): a reserved slot holds nothing but counts toward `length`,
+so a head with r reserved slots keeps at most budget - r tokens. It is never attended,
+scored, written or evicted. Reserved slots give the heads of one layer, and the rows of
+one batch, budgets of their own inside one `[B, H, C]` layout (`h2o_fn.budgets`);
+without them every head's budget is the config's, as before. Per row b, the occupied
+slots (tokens and reserved) obey the layout invariant above in place of the tokens.
+
 Keys and values are stores (`h2o_fn.storage`): one array, or with `Storage(bits)`
 the (packed, scales, biases) triple of mx.quantize. Keys and values may have
 different widths (multi-head latent attention: Dk != Dv).
@@ -34,12 +42,16 @@ from . import storage
 from .storage import Store
 
 
+FREE = -1  # the position of a free slot
+RESERVED = -2  # the position of a reserved slot: counted in `length`, holds no token
+
+
 class H2OState(NamedTuple):
     keys: Store  # [B, H, C, Dk] model dtype (rotated by the model), or its quantized triple
     values: Store  # [B, H, C, Dv] model dtype, or its quantized triple
     scores: mx.array  # [B, H, C] float32, accumulated (decayed) attention mass; 0 for free slots
-    positions: mx.array  # [B, H, C] int32, absolute token position in its row; -1 for free slots
-    length: mx.array  # [B] int32, valid slots per (b, h) (the same for every head of a row)
+    positions: mx.array  # [B, H, C] int32, absolute token position in its row; FREE (-1), RESERVED (-2)
+    length: mx.array  # [B] int32, occupied slots per (b, h): tokens + reserved (the same for every head of a row)
     seen: mx.array  # [B] int32, tokens absorbed per row = the row's next position
 
 
@@ -49,6 +61,7 @@ def capacity(state: H2OState) -> int:
 
 
 def state_nbytes(state: H2OState) -> int:
-    """Bytes really held: key and value stores, scores, positions and the counters."""
+    """Bytes really held: key and value stores, scores, positions and the counters (all C
+    slots, reserved and free ones included: they are allocated)."""
     return (storage.nbytes(state.keys) + storage.nbytes(state.values)
             + sum(x.nbytes for x in (state.scores, state.positions, state.length, state.seen)))

@@ -37,10 +37,10 @@ from typing import Sequence, Tuple
 import mlx.core as mx
 
 from . import storage
-from .arrays import scored_rows
+from .arrays import scored_rows, slot_order
 from .core import INT32_MAX, admit, stored_rows
 from .scoring import proxy_rows
-from .state import H2OState
+from .state import FREE, H2OState
 from .storage import DENSE, Storage
 
 
@@ -71,9 +71,9 @@ def chunk_view(state: H2OState, keys: mx.array, values: mx.array, span: int,
 
 
 def compact(state: H2OState) -> H2OState:
-    """The same state with every row's kept tokens in its first `length[b]` slots, sorted by
-    position (free slots after them): what oneshot prefill leaves, and what decode evictions
-    scatter. Nothing kept, scored or counted changes.
+    """The same state with every row's kept tokens in its first slots, sorted by position,
+    then its reserved slots, then the free ones: what oneshot prefill leaves, and what decode
+    evictions scatter. Nothing kept, scored or counted changes.
 
     Example:
         >>> import mlx.core as mx
@@ -83,7 +83,7 @@ def compact(state: H2OState) -> H2OState:
         >>> compact(s).positions.tolist()
         [[[2, 5, 7, -1]]]
     """
-    order = mx.argsort(mx.where(state.positions >= 0, state.positions, INT32_MAX), axis=-1)
+    order = mx.argsort(slot_order(state.positions), axis=-1)
     return state._replace(
         keys=storage.take(state.keys, order), values=storage.take(state.values, order),
         scores=mx.take_along_axis(state.scores, order, axis=-1),
@@ -97,7 +97,7 @@ def view_weights(state: H2OState, weights: mx.array, span: int) -> mx.array:
     B, H, N, _ = weights.shape
     C = state.positions.shape[-1]
     slots = mx.pad(weights[..., :span], [(0, 0), (0, 0), (0, 0), (0, C - span)])
-    first_free = mx.argmax(state.positions < 0, axis=-1)[..., None, None]  # chunk token 0 sat here
+    first_free = mx.argmax(state.positions == FREE, axis=-1)[..., None, None]  # chunk token 0 sat here
     token0 = mx.take_along_axis(slots, mx.broadcast_to(first_free, (B, H, N, 1)), axis=-1)
     return mx.concatenate([slots, token0, weights[..., span:]], axis=-1)
 

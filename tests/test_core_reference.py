@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 import h2o_fn
 from h2o_fn import H2OConfig, absorb, admit, assert_invariants, init, step
-from h2o_fn import core, prefill, rule, scoring, storage, view
+from h2o_fn import budgets, core, prefill, rule, scoring, storage, view
 from h2o_fn import reference as ref
 
 from helpers import assert_matches, chunk_weights, core_weights, dequantized
@@ -104,8 +104,9 @@ def test_query_single_tokens_match_reference(data):
 # ---------------------------------------------------------------- the twin table
 
 
-def _prefix(data, cfg, kv, max_len=None):
-    """A core state and its reference twin after a random prefix (possibly ragged rows)."""
+def _prefix(data, cfg, kv, max_len=None, selection=True):
+    """A core state and its reference twin after a random prefix (possibly ragged rows), in
+    about a third of the draws ending with a selection (`_selected`) when `selection`."""
     shape = data.draw(shapes(max_b=2, max_h=2, max_d=8, kv=kv))
     stream = data.draw(streams(shape, max_len=max_len or 2 * cfg.budget + 4, decay=cfg.decay))
     sizes = data.draw(chunk_sizes(stream.keys.shape[2]))
@@ -113,7 +114,42 @@ def _prefix(data, cfg, kv, max_len=None):
     room = data.draw(st.sampled_from([1, 1, 1, 3]))  # 3: the slots of three staged decode tokens
     state, rstate = run_chunks(cfg._replace(prefill="oneshot"), shape, stream, sizes, alive, False, room,
                                data.draw(prompts()), kv)
+    if selection and cfg.budget > 1 and data.draw(st.integers(0, 2)) == 0:  # heads of their own budgets: a selection's reserved slots
+        state, rstate = _selected(data, cfg, kv, shape, state, rstate, room)
     return shape, state, rstate
+
+
+def _selected(data, cfg, kv, shape, s, r, room):
+    """`s`, `r` and a chunk reduced by `absorb_selected` to a random keep per head (sinks and
+    the grace window always kept, so every later invariant holds), `held` < budget."""
+    n = data.draw(st.integers(1, 8))
+    k, v, w = _token(data, shape, n)
+    by_position = w[:, :, 0]
+    held = data.draw(st.integers(max(1, cfg.n_sink + cfg.grace), cfg.budget - 1))
+    seen = np.array(s.seen)
+    C = h2o_fn.capacity(s)
+    positions = np.concatenate([np.array(s.positions), np.broadcast_to((seen[:, None] + np.arange(n))[:, None],
+                                                                        (shape.B, shape.H, n))], axis=-1)
+    keep = np.zeros(positions.shape, bool)
+    by_pos_keep = np.zeros(by_position.shape, bool)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
+    for b in range(shape.B):
+        newest = seen[b] + n - 1
+        for h in range(shape.H):
+            have = [j for j in range(positions.shape[-1]) if positions[b, h, j] >= 0]
+            must = [j for j in have if positions[b, h, j] < cfg.n_sink or positions[b, h, j] > newest - cfg.grace]
+            rest = [j for j in have if j not in must]
+            extra = rng.permutation(rest)[: rng.integers(0, max(0, held - len(must)) + 1)]
+            for j in [*must, *extra]:
+                keep[b, h, j] = True
+                by_pos_keep[b, h, positions[b, h, j]] = True
+    scores = mx.concatenate([_slot_weights(s, by_position),
+                             mx.array(np.take_along_axis(by_position, seen[:, None, None] + np.arange(n), axis=-1))],
+                            axis=-1)
+    got = budgets.absorb_selected(s, mx.array(k), mx.array(v), scores, mx.array(keep), held, cfg.budget + room, kv)
+    want = ref.absorb_selected(r, as_stored(k, kv), as_stored(v, kv), by_position, by_pos_keep, held)
+    assert C + n >= held
+    return got, want
 
 
 def _token(data, shape, n=1):
@@ -250,7 +286,7 @@ def twin_absorb_staged(data, cfg, kv):
 
 def twin_rewind(data, cfg, kv):
     big = cfg._replace(budget=64)  # rewinding is exact only before any eviction
-    shape, s, r = _prefix(data, big, kv, max_len=big.budget)
+    shape, s, r = _prefix(data, big, kv, max_len=big.budget, selection=False)  # a selection evicts
     n = data.draw(st.integers(0, min(s.seen.tolist())))
     return h2o_fn.rewind(s, n), ref.rewind(r, n), big
 
@@ -278,6 +314,29 @@ def twin_key_weights(data, cfg, kv):
     return None, None  # compared above: weights are per kept token, not a state
 
 
+def twin_absorb_selected(data, cfg, kv):
+    cfg = cfg._replace(budget=max(cfg.budget, 2))  # held < budget
+    shape, s, r = _prefix(data, cfg, kv)
+    return (*_selected(data, cfg, kv, shape, s, r, h2o_fn.capacity(s) - cfg.budget), cfg)
+
+
+def twin_widen(data, cfg, kv):
+    shape, s, r = _prefix(data, cfg, kv)
+    extra = data.draw(st.integers(0, 4))
+    big = cfg._replace(budget=cfg.budget + extra)
+    return budgets.widen(s, extra), ref.widen(r, extra), big
+
+
+def twin_tokens(data, cfg, kv):
+    _, s, r = _prefix(data, cfg, kv)
+    return budgets.tokens(s).tolist(), ref.tokens(r)
+
+
+def twin_reserved(data, cfg, kv):
+    _, s, r = _prefix(data, cfg, kv)
+    return budgets.reserved(s).tolist(), ref.reserved(r)
+
+
 TWINS = {name[len("twin_"):]: fn for name, fn in globals().items() if name.startswith("twin_")}
 
 
@@ -295,7 +354,7 @@ def test_core_function_equals_its_reference_twin(name, data):
         assert got == want
 
 
-CORE_MODULES = (core, prefill, rule, scoring)  # the core's transitions, split by concern
+CORE_MODULES = (core, prefill, rule, scoring, budgets)  # the core's transitions, split by concern
 
 
 def test_every_core_function_has_a_reference_twin():
