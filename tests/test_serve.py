@@ -27,7 +27,7 @@ pytest.importorskip("mlx_lm")
 
 from h2o_fn import H2OConfig, Prompt  # noqa: E402
 from h2o_fn.adapters import gguf  # noqa: E402
-from h2o_fn.adapters.cli import serve, serve_compat, serve_requests  # noqa: E402
+from h2o_fn.adapters.cli import serve, serve_compat, serve_requests, serve_store  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET = 32  # n_sink 4, grace 8: a 15-token prompt and 24 new tokens already evict
@@ -161,6 +161,20 @@ def server(tmp_path_factory):
 def guarded(tmp_path_factory):
     """A second server for the tests that leave requests unfinished or count memory."""
     yield from start_server(tmp_path_factory, "--max-prompt-tokens", str(MAX_PROMPT))
+
+
+READ_FLAGS = ("--window", "4", "--prefill-step-size", "8")  # prompts past the budget: read 8 tokens a slice
+
+
+@pytest.fixture(scope="module")
+def reading(tmp_path_factory):
+    """A third server that reads long prompts in short slices and keeps its prompt cache on disk."""
+    folder = tmp_path_factory.mktemp("prompt-cache")
+    srv = start_server(tmp_path_factory, *READ_FLAGS, "--prompt-cache-dir", str(folder))
+    server = next(srv)
+    server.folder = folder
+    yield server
+    yield from srv
 
 
 def in_threads(calls):
@@ -360,6 +374,8 @@ def _cache_after(model, config, tokens):
 
 
 def test_the_prompt_cache_never_trims_an_evicted_entry_and_never_returns_nothing_to_feed():
+    import mlx.core as mx
+
     from tiny_models import tiny_model
 
     model = tiny_model("llama")
@@ -372,16 +388,21 @@ def test_the_prompt_cache_never_trims_an_evicted_entry_and_never_returns_nothing
     # a shorter prompt: the longer entry has evicted, so it is not trimmed: nothing to reuse
     cache, rest = pc.fetch_nearest_cache(key, tokens[:12])
     assert cache is None and rest == tokens[:12]
-    # a longer prompt: the entry is continued as is
-    cache, rest = pc.fetch_nearest_cache(key, tokens + [30, 31])
-    assert rest == [30, 31] and cache[0].tokens_seen == 20 and cache[0].tokens_kept == 8
     # the same prompt: mlx-lm would return it with nothing left to feed; no shorter entry here
     cache, rest = pc.fetch_nearest_cache(key, tokens)
     assert cache is None and rest == tokens
-    # ... and with a shorter entry held, that one is continued
+    # ... and with a shorter entry held, that one is continued, shared: feeding it leaves the entry as it was
     pc.insert_cache(key, tokens[:5], _cache_after(model, config, tokens[:5]))
     cache, rest = pc.fetch_nearest_cache(key, tokens)
     assert cache[0].tokens_seen == 5 and rest == tokens[5:]
+    stored = serve.serve_compat.entry(pc, key, tokens[:5]).prompt_cache
+    assert cache[0].layer_state.core.keys is stored[0].layer_state.core.keys  # no copy
+    model(mx.array([rest]), cache=cache)
+    assert cache[0].tokens_seen == 20 and stored[0].tokens_seen == 5
+    # a longer prompt: the evicted conversation entry is handed to the request, as it is, and leaves
+    cache, rest = pc.fetch_nearest_cache(key, tokens + [30, 31])
+    assert rest == [30, 31] and cache[0].tokens_seen == 20 and cache[0].tokens_kept == 8
+    assert pc.lent == 1 and pc.fetch_nearest_cache(key, tokens + [30, 31])[0][0].tokens_seen == 5
 
     # an entry that has evicted nothing is trimmed, by one token on an exact hit
     short = list(range(40, 46))
@@ -392,15 +413,51 @@ def test_the_prompt_cache_never_trims_an_evicted_entry_and_never_returns_nothing
     assert rest == [99] and cache[0].tokens_seen == 4
 
     stats = pc.stats(key)
-    assert stats["stored"]["caches"] == 3 and stats["held"]["caches"] == 3
+    assert stats["stored"]["caches"] == 3 and stats["held"]["caches"] == 2  # the 20-token entry was lent
     assert stats["stored"]["max_kept_per_layer"] == [8, 8]
     assert stats["stored"]["max_seen_per_layer"] == [20, 20]
     assert stats["held"]["trimmable"] == 2  # the 5- and 6-token entries
+    cache_stats = stats["prompt_cache"]
+    assert (cache_stats["hits"], cache_stats["misses"], cache_stats["lent"]) == (5, 2, 1)
+    assert cache_stats["bytes"] == stats["held"]["bytes"] == sum(
+        c.nbytes for t in (tokens[:5], short) for c in serve.serve_compat.entry(pc, key, t).prompt_cache)
 
     off = serve.H2OPromptCache(max_size=0)  # --prompt-cache-size 0: nothing is reused
     off.insert_cache(key, short, _cache_after(model, config, short))
     assert off.fetch_nearest_cache(key, short + [7]) == (None, short + [7])
     assert off.stats(key)["held"]["caches"] == 0 and off.stats(key)["stored"]["caches"] == 1
+
+
+def test_the_prompt_cache_is_bounded_by_the_bytes_its_entries_hold():
+    """--prompt-cache-bytes counts what the entries hold (their caches' nbytes): with 8-bit
+    rows an entry holds fewer bytes, so the same bound holds more of them."""
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama", num_attention_heads=2)  # head_dim 32: one group of 32 per row
+    config = H2OConfig(budget=8, n_sink=1, grace=2, scoring="key")
+    docs = [list(range(100 * i + 1, 100 * i + 21)) for i in range(6)]
+
+    from h2o_fn.adapters.mlx_lm import make_h2o_cache
+
+    def after(tokens, kv_bits):
+        cache = make_h2o_cache(model, config, kv_bits=kv_bits, kv_group_size=32)
+        model(serve.mx.array([tokens]), cache=cache)
+        return cache
+
+    bound = int(2.5 * sum(c.nbytes for c in after(docs[0], None)))  # two float entries
+
+    def held(kv_bits):
+        size = sum(c.nbytes for c in after(docs[0], kv_bits))
+        pc = serve.H2OPromptCache(max_size=10, max_bytes=bound)
+        for d in docs:
+            pc.insert_cache("m", d, after(d, kv_bits))
+        stats = pc.stats("m")["prompt_cache"]
+        assert stats["bytes"] <= stats["max_bytes"] == bound
+        assert stats["entries"] == min(len(docs), bound // size), (size, stats)
+        return size, stats["entries"]
+
+    (full, n_full), (packed, n_packed) = held(None), held(8)
+    assert n_full == 2 and packed < full / 2 and n_packed == len(docs), (full, n_full, packed, n_packed)
 
 
 class _Provider:
@@ -414,11 +471,25 @@ class _Provider:
         self.undo = use_h2o(model, config, prompt=prompt)
 
 
+def _read_all(reader, cache, rest):
+    """What the generator does with a reader's plan: every slice read, then the tail."""
+    plan = reader.plan(cache, rest)
+    if plan is None:
+        return cache, rest, 0
+    cache, head, tail = plan
+    reading = serve.Reading(None, [], cache, head, tail, 0, [0], 0.0)
+    slices = 1
+    while not reader.read(reading):
+        slices += 1
+    return cache, tail, slices
+
+
 def test_a_long_prompt_is_read_with_the_repeat_pass_and_its_entry_answers_the_next_turn():
     """The bulk of a prompt that overflows the budget goes through cache_prompt before the
-    generator sees it (query-agnostic); the question's last `tail` tokens are left to it.
-    A short prompt, or one the budget holds, is left to mlx-lm as it was. The entry stored
-    after the request is continued by the next turn, which reads only its new tokens."""
+    generator sees it (query-agnostic), one slice at a time; the question's last `tail`
+    tokens are left to it. A short prompt, or one the budget holds, is left to mlx-lm as
+    it was. The entry stored after the request is continued by the next turn (handed
+    over: it leaves the prompt cache), which reads only its new tokens."""
     import mlx.core as mx
 
     from h2o_fn.adapters.mlx_lm import h2o_caches
@@ -428,23 +499,23 @@ def test_a_long_prompt_is_read_with_the_repeat_pass_and_its_entry_answers_the_ne
     config = H2OConfig(budget=12, n_sink=1, grace=2)
     provider = _Provider(model, config, Prompt(window=6))
     try:
-        reader = serve.PromptReader(provider, tail=6)
-        pc = serve.H2OPromptCache(max_size=10, reader=reader)
+        reader = serve.PromptReader(provider, tail=6, slice_tokens=16)
+        pc = serve.H2OPromptCache(max_size=10)
         doc = [(7 * i) % 101 for i in range(1, 41)]  # 40 tokens
-        cache, rest = pc.fetch_nearest_cache("m", doc)
-        assert rest == doc[-6:] and reader.prompts_read == 1
+        cache, rest, slices = _read_all(reader, *pc.fetch_nearest_cache("m", doc))
+        assert rest == doc[-6:] and reader.prompts_read == 1 and slices == 3  # 34 tokens: 16 + 16 + 2
         layers = h2o_caches(cache)
         assert all(c.tokens_seen == 34 and c.tokens_kept == 12 for c in layers)
         model(mx.array([rest]), cache=cache)  # the generator feeds the tail ...
         pc.insert_cache("m", doc, cache)  # ... and mlx-lm stores the entry
         turn = doc + [9] * 20  # the next turn: 20 new tokens
-        cache, rest = pc.fetch_nearest_cache("m", turn)
+        cache, rest, _ = _read_all(reader, *pc.fetch_nearest_cache("m", turn))
         assert rest == turn[-6:] and reader.prompts_read == 2
         assert all(c.tokens_seen == 54 and c.tokens_kept == 12 for c in h2o_caches(cache))
+        assert pc.stats("m")["held"]["caches"] == 0 and pc.lent == 1  # the turn took its entry
         # short or within budget: left to mlx-lm
-        assert pc.fetch_nearest_cache("m", [1, 2, 3]) == (None, [1, 2, 3])
-        cache, rest = pc.fetch_nearest_cache("m", list(range(50, 60)))
-        assert rest == list(range(50, 60)) and all(c.tokens_seen == 0 for c in h2o_caches(cache))
+        assert reader.plan(*pc.fetch_nearest_cache("m", [1, 2, 3])) is None
+        assert reader.plan(None, list(range(50, 60))) is None
         assert reader.prompts_read == 2
         with pytest.raises(ValueError, match="tail=0 is invalid"):
             serve.PromptReader(provider, tail=0)
@@ -485,6 +556,7 @@ HOSTILE = [  # (what, path, body: dict or raw bytes, status, param)
     ("prompt not a string", "/v1/completions", {"prompt": 5}, 400, "prompt"),
     ("logit_bias off the vocabulary", CHAT, hi(logit_bias={"99999999": 1}), 400, "logit_bias"),
     ("invalid UTF-8", CHAT, b'{"messages": "\xff\xfe"}', 400, None),
+    ("a lone surrogate", CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', 400, "messages[0].content"),
     ("100k-deep JSON", CHAT, b"[" * 100_000 + b"]" * 100_000, 400, None),
     ("a JSON list", CHAT, b"[1]", 400, None),
     ("unknown endpoint", "/v1/embeddings", {"input": "x"}, 404, None),
@@ -514,6 +586,28 @@ def test_no_hostile_request_changes_what_the_next_valid_request_gets(server):
     assert server.request("GET", "/health")[0] == 200
     log = server.log.read_text()
     assert log.count("H2O on ") == 1 and "generation thread died" not in log, log[-3000:]
+
+
+def test_other_methods_and_short_bodies_get_openai_errors_and_a_clean_close(server):
+    """PUT/DELETE/PATCH: OpenAI's error shape, 405, with Allow; a body shorter than its
+    Content-Length (the client stopped sending): 400 at once and the connection closed,
+    no traceback in the log."""
+    for method in ("PUT", "DELETE", "PATCH"):
+        status, headers, text = server.request(method, CHAT, {"x": 1})
+        error = assert_openai_error(status, text, 405, None)
+        assert error["code"] == "method_not_allowed" and headers["Allow"] == "GET, POST, OPTIONS", headers
+    assert_openai_error(*server.request("GET", "/v1/nope")[::2], 404, None)
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=REQUEST_S)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"messages\"")
+    sock.shutdown(socket.SHUT_WR)
+    start, reply = time.monotonic(), b""
+    while chunk := sock.recv(4096):
+        reply += chunk
+    sock.close()
+    head, body = reply.decode().split("\r\n\r\n", 1)
+    assert time.monotonic() - start < 5 and head.split()[1] == "400", reply
+    assert json.loads(body)["error"]["code"] == "incomplete_body"
+    assert "Traceback" not in server.log.read_text()
 
 
 def test_models_lists_the_served_model_and_answers_name_it(server):
@@ -589,7 +683,8 @@ def test_an_abandoned_request_stops_within_a_second(guarded, stream):
     before = guarded.cpu_s()
     time.sleep(1.0)
     busy = guarded.cpu_s() - before
-    assert busy < 0.1, f"{busy:.2f} CPU s in the second after the first: still generating"
+    assert busy < 0.1, f"{busy:.2f} CPU s in the second after the first: still generating\n" + "\n".join(
+        guarded.log.read_text().splitlines()[-12:])
     assert "the client left" in guarded.log.read_text()
     _, text = guarded.chat(brief("Name a color."), max_tokens=2)  # its slot is free
     assert answer(text)[0].strip()
@@ -659,6 +754,17 @@ def test_read_body_refuses_what_is_not_a_json_object():
 
     assert read(b"{}", "none") == 411 and read(b"{}", "x") == 400 and read(b"{}", -1) == 400
     assert read(b"x" * 1001) == 413 and read(b"\xff") == 400 and read(b"[1]") == 400 and read(b"{") == 400
+    assert read(b"{}", 10) == 400  # shorter than its Content-Length: the client closed
+
+    class Stalled:  # the client stopped sending: the socket timeout (BODY_TIMEOUT_S) fires
+        def read(self, n):
+            raise TimeoutError("timed out")
+    with pytest.raises(serve_requests.ClientError) as e:
+        serve_requests.read_body({"Content-Length": "10"}, Stalled())
+    assert e.value.status == 408 and "10" in e.value.message
+    with pytest.raises(serve_requests.ClientError) as e:
+        serve_requests.read_body({"Content-Length": "40"}, io.BytesIO(b'{"a": {"b\\udfff": 1}}'.ljust(40)))
+    assert (e.value.status, e.value.param) == (400, "a.b\\udfff (the key)")  # written out, not the surrogate
 
 
 def test_mlx_lm_server_internals_the_overrides_rely_on_are_there():
@@ -734,3 +840,178 @@ def test_the_openai_client_lists_chats_streams_and_reads_the_errors(server):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o-mini", messages=brief("Hi."))
     assert "gpt-4o-mini" in e.value.message and e.value.code == "model_not_found"
+
+
+# ---------------------------------------------------------------- long prompts and the prompt cache on disk
+
+
+DOC = ("The lighthouse keeper wrote in his log that the storm came from the west, and that the boat "
+       "called Marigold returned safely with seven crates of apples.")
+
+
+class Stream:
+    """A streamed chat read line by line from a raw socket, with the time each line arrived."""
+
+    def __init__(self, srv, messages, max_tokens: int):
+        body = json.dumps({"messages": messages, "max_tokens": max_tokens, "stream": True}).encode()
+        self.sock = socket.create_connection(("127.0.0.1", srv.port), timeout=REQUEST_S)
+        self.sent = time.monotonic()
+        self.sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        self.lines, self._rest = [], b""
+
+    def until(self, pattern: str):
+        """Read until a line matches `pattern`; (the line, seconds since the request was sent)."""
+        while True:
+            for i, (line, at) in enumerate(self.lines):
+                if re.search(pattern, line):
+                    del self.lines[: i + 1]
+                    return line, at - self.sent
+            chunk = self.sock.recv(4096)
+            assert chunk, f"the stream ended before {pattern!r}"
+            *whole, self._rest = (self._rest + chunk).split(b"\n")
+            self.lines += [(w.decode().strip(), time.monotonic()) for w in whole if w.strip()]
+
+
+def test_a_long_prompt_is_read_between_other_requests_and_stops_when_its_client_leaves(reading):
+    """A prompt past the budget is read in slices (8 tokens and the repeat pass, ~2-3 s each
+    with the 4-bit weights on 2 cores) between the other requests' steps: its streaming
+    client gets the status line and a keep-alive at once and one per slice, a short chat
+    sent meanwhile is answered before the reading ends, and when the client leaves the
+    server is idle once the slice being read ends."""
+    stream = Stream(reading, brief(DOC + " What did the Marigold carry?"), max_tokens=8)
+    status, _ = stream.until(r"^HTTP/1\.[01] ")
+    line, first = stream.until(r"^: keepalive 0/\d+$")
+    total = int(line.split("/")[1])
+    assert status.split()[1] == "200" and first < 3.0, (status, first)  # at once, before any slice
+    _, one = stream.until(r"^: keepalive 8/")  # one per slice
+    short = threading.Thread(target=lambda: reading.chat(brief("Name a color."), max_tokens=2), daemon=True)
+    short.start()
+    short.join(REQUEST_S)
+    assert not short.is_alive()
+    line, at = stream.until(r"^: keepalive \d+/")
+    done = int(line.split()[-1].split("/")[0])
+    assert done < total, f"the reading ended ({line}) before the short chat was answered"
+    slice_s = max(one - first, at - one)  # the slowest slice seen (the short chat's steps between)
+    stream.sock.close()
+    closed = time.time()
+    stopped = r"(\S+ \S+) - INFO - the client left: its prompt's reading stopped after \d+ of " + str(total)
+    deadline = time.monotonic() + 3 * slice_s + 10
+    while not re.search(stopped, reading.log.read_text()):
+        assert time.monotonic() < deadline, f"the reading never stopped:\n{reading.log.read_text()[-2000:]}"
+        time.sleep(0.1)
+    log = reading.log.read_text()
+    when = time.mktime(time.strptime(re.search(stopped, log).group(1).split(",")[0], "%Y-%m-%d %H:%M:%S"))
+    assert when - closed < 2 * slice_s + 1, (when - closed, slice_s)  # the slice being read, then it stops
+    before = reading.cpu_s()
+    time.sleep(1.0)
+    busy = reading.cpu_s() - before
+    assert busy < 0.1, f"{busy:.2f} CPU s in the second after the reading stopped"
+    assert "H2O prompt read with the repeat pass" not in log
+
+
+def test_a_conversation_continues_after_a_restart_and_bad_files_are_skipped(reading, tmp_path_factory):
+    """The prompt cache's entries are files (--prompt-cache-dir); a server started on a copy
+    of them answers the conversation's next turn as a cache hit, with the answer the
+    first server gave from memory. Files that do not fit (partial, foreign, renamed, a
+    crash's temporary file) are skipped or removed with one log line each."""
+    import shutil
+
+    _, text = reading.chat(brief("Tell me about the sea."), max_tokens=24)
+    reply = answer(text)[0]
+    reading.settled_stats()
+    files = sorted(reading.folder.glob("*.safetensors"))
+    assert files and all(serve_store.NAME.fullmatch(f.name) for f in files), files
+    copy = tmp_path_factory.mktemp("restart")
+    for f in files:
+        shutil.copy2(f, copy / f.name)
+    good = max(copy.iterdir(), key=lambda f: f.stat().st_size)
+    turn = brief("Tell me about the sea.", reply, "And the sky?")
+    _, text = reading.chat(turn, max_tokens=8)
+    before = json.loads(text)
+    assert before["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # a hit, from memory
+
+    (copy / "foreign.safetensors").write_bytes(b"not a prompt cache")
+    key, digest = serve_store.NAME.fullmatch(good.name).groups()
+    (copy / f"{key}-{'0' * 32}.safetensors").write_bytes(good.read_bytes()[:50_000])  # partial
+    shutil.copy2(good, copy / f"{'1' * 32}-{digest}.safetensors")  # renamed
+    (copy / f"{serve_store.TEMP}{key}-1.safetensors").write_bytes(b"x")  # a write a crash interrupted
+    restarted = start_server(tmp_path_factory, *READ_FLAGS, "--prompt-cache-dir", str(copy))
+    srv = next(restarted)
+    try:
+        _, text = srv.chat(turn, max_tokens=8)
+        after = json.loads(text)
+        assert after["usage"] == before["usage"], (before["usage"], after["usage"])  # a hit, as before
+        assert answer(text) == answer(json.dumps(before))
+        stats = srv.stats()["prompt_cache"]
+        assert stats["hits"] == 1 and stats["dir"]["files"] >= 1, stats
+        log = srv.log.read_text()
+        skipped = re.findall(r"prompt-cache dir: (\S+) skipped: (.*)", log)
+        assert sorted(name for name, _ in skipped) == sorted(
+            ["foreign.safetensors", f"{key}-{'0' * 32}.safetensors", f"{'1' * 32}-{digest}.safetensors"]), log[-3000:]
+        assert "a write a crash left unfinished: removed" in log
+        assert not list(copy.glob(serve_store.TEMP + "*"))
+    finally:
+        for _ in restarted:
+            pass
+
+
+def test_prompt_cache_files_are_written_atomically_and_checked_on_load(tmp_path, monkeypatch, caplog):
+    """PromptCacheDir in process (the tiny model): an entry is one file, replaced whole; a
+    write that fails midway leaves the earlier files and no temporary file; a file for
+    another model or policy, or with a flipped byte, is skipped with a log line; the
+    prompt cache removes an entry's file when it drops the entry, and a lent entry's file
+    when its continuation is stored."""
+    import mlx.core as mx
+
+    from tiny_models import tiny_model
+
+    from h2o_fn.adapters.mlx_lm import use_h2o
+
+    model = tiny_model("llama")
+    config = H2OConfig(budget=8, n_sink=1, grace=2, scoring="key")
+    use_h2o(model, config)  # the server's caches, which a file's layers must match
+    policy = {"budget": 8}
+    store = serve_store.PromptCacheDir(tmp_path, "tiny", policy)
+    a, b = list(range(1, 21)), list(range(30, 50))
+    first = store.write(a, _cache_after(model, config, a), "assistant")
+    assert serve_store.NAME.fullmatch(first.name) and store.usage() == (1, first.stat().st_size)
+    store.write(b, _cache_after(model, config, b), "assistant")
+    again = store.write(a, _cache_after(model, config, a[:10]), "assistant")  # other arrays: another digest
+    assert again != first and not first.exists() and store.usage()[0] == 2
+
+    def crash(path, cache, metadata):
+        Path(path).write_bytes(b"half a file")
+        raise KeyboardInterrupt  # killed mid-write
+    monkeypatch.setattr(serve_store, "save_prompt_cache", crash)
+    with pytest.raises(KeyboardInterrupt):
+        store.write(a, _cache_after(model, config, a), "assistant")
+    monkeypatch.undo()
+    assert again.exists() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+    loaded = serve_store.PromptCacheDir(tmp_path, "tiny", policy).load(model)
+    assert [(e.tokens, e.cache_type) for e in loaded] == [(b, "assistant"), (a, "assistant")]  # oldest first
+    assert loaded[1].cache[0].tokens_seen == 10
+    with caplog.at_level("WARNING", logger="h2o_fn.serve"):
+        assert serve_store.PromptCacheDir(tmp_path, "other", policy).load(model) == []
+        assert serve_store.PromptCacheDir(tmp_path, "tiny", {"budget": 9}).load(model) == []
+        data = bytearray(again.read_bytes())
+        data[-1] ^= 1
+        again.write_bytes(bytes(data))
+        assert len(serve_store.PromptCacheDir(tmp_path, "tiny", policy).load(model)) == 1
+    reasons = [r.getMessage() for r in caplog.records]
+    assert sum("written for model 'tiny'" in r for r in reasons) == 2
+    assert sum("written under the policy {'budget': 8}" in r for r in reasons) == 2
+    assert sum("corrupt or partial" in r for r in reasons) == 1
+
+    folder = tmp_path / "pc"
+    pc = serve.H2OPromptCache(max_size=2, store=serve_store.PromptCacheDir(folder, "tiny", policy))
+    c = [list(range(100 * i + 1, 100 * i + 21)) for i in range(3)]
+    for tokens in c:
+        pc.insert_cache("m", tokens, _cache_after(model, config, tokens))
+    assert pc.stats("m")["prompt_cache"]["dir"]["files"] == 2  # the oldest entry dropped, its file too
+    cache, rest = pc.fetch_nearest_cache("m", c[2] + [7, 8])  # lent to a request: its file stays
+    assert rest == [7, 8] and pc.stats("m")["prompt_cache"]["dir"]["files"] == 2
+    model(mx.array([rest]), cache=cache)
+    pc.insert_cache("m", c[2] + [7, 8], cache)  # its continuation is stored: the lent entry's file goes
+    assert sorted(len(e.tokens) for e in serve_store.PromptCacheDir(folder, "tiny", policy).load(model)) == [20, 22]

@@ -16,10 +16,13 @@ Example:
 """
 
 import argparse
+import copy
 import logging
 import threading
+import time
+from collections import deque
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Deque, Dict, List, NamedTuple, Optional
 
 import mlx.core as mx
 from mlx_lm import server as mlx_server
@@ -28,6 +31,7 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prom
 from h2o_fn import H2OConfig
 
 from .. import allocation
+from ..cache import H2OKVCache
 from ..mlx_lm import h2o_caches, use_h2o
 from ..retention import cache_prompt, repeat_prefix
 from . import common, serve_compat, serve_requests
@@ -53,9 +57,15 @@ REFUSED = {
 CHANGED = {
     "max_tokens": (512, "the most tokens a request may ask for (max_tokens or max_completion_tokens; a larger "
                    "value is answered 400), and the number generated when it asks for none (default: 512)"),
+    "prompt_cache_bytes": (None, "the most bytes the prompt cache's entries may hold (e.g. 512M; default: no "
+                           "bound): past it the oldest are dropped, when an entry is stored and when a request "
+                           "starts (then the bound less what the running requests' caches hold). An H2O entry "
+                           "counts what it really holds: its kept rows (packed with --kv-bits), their scores and "
+                           "positions"),
     "prefill_step_size": (512, "prompt tokens read per step (default: 512; mlx-lm's is 2048): a long prompt is "
                           "read between the other requests' decode steps in slices this long, and H2O's "
-                          "prompt scoring holds attention weights for one slice at a time"),
+                          "prompt scoring holds attention weights for one slice at a time; a client that "
+                          "leaves stops its prompt's reading at the end of the slice"),
 }
 
 # ---------------------------------------------------------------- flags
@@ -81,6 +91,16 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "cache stores answers later questions too (a next turn, another question about the same "
                         "document); window: the adapter's own chunk scoring only (the prompt's last --window "
                         "queries choose what stays)")
+    parser.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                        help="keep the prompt cache's entries as files in DIR too (the cache-prompt format), "
+                        "written atomically when stored, removed when dropped, and loaded at start: a "
+                        "conversation continues after a restart as a cache hit. DIR holds what the prompt "
+                        "cache holds, so --prompt-cache-size and --prompt-cache-bytes bound it; a file that "
+                        "does not fit this server (another model or policy, corrupt, partial) is skipped "
+                        "with a log line")
+    parser.add_argument("--full-cache", action="store_true",
+                        help="serve with mlx-lm's own full caches instead of H2O (a baseline for comparisons: "
+                        "the policy flags are ignored, the stats report no H2O layer)")
     parser.add_argument("--dequantize", action="store_true",
                         help="expand quantized weights to float32 (the same values, 4x the memory of 4-bit "
                         "weights): on a CPU, mlx's quantized matmuls cost per token even in a prompt, so "
@@ -128,8 +148,19 @@ class H2OModelProvider(serve_compat.FixedModelProvider):
     policy = property(lambda self: common.policy_of(self.config, self.options),
                       doc="The config, how the caches score a prompt chunk and store rows, as one value.")
 
+    full_cache = property(lambda self: bool(getattr(self.cli_args, "full_cache", False)),
+                          doc="mlx-lm's own caches instead of H2O (`--full-cache`, a baseline).")
+
+    def stored_policy(self) -> Optional[dict]:
+        """What a stored entry was made under: the policy's fields, None with `--full-cache`."""
+        return None if self.full_cache else self.policy.fields()
+
     def load_model(self, model_path: str):
         model, tokenizer = common.load_model(model_path, getattr(self.cli_args, "dequantize", False))
+        if self.full_cache:
+            log.info("--full-cache: %s keeps mlx-lm's own caches (%s), no H2O", model_path,
+                     sorted({type(c).__name__ for c in make_prompt_cache(model)}))
+            return model, tokenizer
         budgets = allocation.budgets_for(model, self.allocation, self.config, tokenizer)
         use_h2o(model, self.config, budgets, **self.options)
         caches = make_prompt_cache(model)
@@ -185,58 +216,165 @@ def _max(a: List[int], b: List[int]) -> List[int]:
 class H2OPromptCache(LRUPromptCache):
     """mlx-lm's LRU prompt cache, safe to read from the HTTP threads, with H2O figures.
 
-    Fetching is mlx-lm's (deep copies; a longer entry is trimmed only when trimmable, so
-    an H2O entry that has evicted is never trimmed), except an exact hit: mlx-lm 0.32
-    returns it with no token left to feed, which its batch generator rejects ("empty
-    prompt"); here it steps back one token (trimmed when trimmable, else the nearest
-    shorter entry). Every stored cache adds its tokens kept and seen per H2O layer to the
-    totals `stats` reports, and is logged.
+    Bounded like mlx-lm's (`max_size` entries, `max_bytes` bytes: `--prompt-cache-size`,
+    `--prompt-cache-bytes`, enforced whenever an entry is stored); an entry's bytes are
+    its caches' `nbytes`, for H2O what the kept rows (packed with `--kv-bits`), their
+    scores and positions really take.
+
+    Fetching is mlx-lm's search without its deep copy:
+    - an H2O entry's immutable state is shared (`share`): a request's first write makes
+      its own arrays, the entry is never changed;
+    - a conversation's entry (mlx-lm's cache type "assistant") that the prompt extends and
+      that cannot be trimmed (H2O has evicted) is handed to the request itself and leaves
+      the prompt cache: the request's turn, stored when it ends, supersedes it, and
+      continuing it allocates no second copy of it;
+    - a longer entry is trimmed back only when trimmable (an H2O entry that has evicted
+      never is);
+    - when a request's cache is stored ("assistant"), the entries mlx-lm stored for its
+      prompt on the way ("user": the prompt less its last token) are dropped, as mlx-lm
+      drops them for its trimmable caches: a conversation holds one entry, its last turn
+      (regenerating an answer then reads the prompt again);
+    - an exact hit steps back one token (mlx-lm 0.32 would hand its batch generator
+      nothing to feed): trimmed when trimmable, else the nearest shorter entry.
+    `hand_over(tokens, cache, rest)` makes the next fetch of `tokens` return that (what a
+    request's reading prepared). Every fetch counts as a hit (an entry reused) or a miss.
+    With `store` (`serve_store.PromptCacheDir`) every entry held is also a file, written
+    when stored and removed when dropped; `load(model)` files them again at start.
     """
 
-    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63, reader: Optional["PromptReader"] = None):
+    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63, store=None):
         super().__init__(max_size, max_bytes)
         self._lock = threading.RLock()
         self._totals: Dict[Any, _Totals] = {}
-        self.reader = reader
+        self._handed: Optional[tuple] = None  # (tokens, cache, rest) for the next fetch of tokens
+        self.store = store
+        self._lent: Dict[tuple, Any] = {}  # tokens of entries handed to requests -> their model (file kept)
+        self.hits = self.misses = self.hit_tokens = self.lent = self.superseded = 0
+
+    # ------------------------------------------------------------ fetching
 
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
-        cache, rest = self._nearest(model, tokens)
-        if self.reader is None:
+        with self._lock:
+            handed, self._handed = self._handed, None
+            if handed is not None and handed[0] == tokens:
+                return handed[1], handed[2]
+            cache, rest = self._nearest(model, tokens)
+            if cache is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+                self.hit_tokens += len(tokens) - len(rest)
             return cache, rest
-        return self.reader.read(model, cache, rest)
+
+    def hand_over(self, tokens: List[int], cache, rest: List[int]) -> None:
+        """The next fetch of `tokens` returns `(cache, rest)` (not counted again)."""
+        with self._lock:
+            self._handed = (list(tokens), cache, list(rest))
 
     def _nearest(self, model: Any, tokens: List[int]):
-        with self._lock:
-            cache, rest = super().fetch_nearest_cache(model, tokens)
-            if cache is None or rest or not tokens:
-                return cache, rest
-            if can_trim_prompt_cache(cache):
-                trim_prompt_cache(cache, 1)
-                return cache, tokens[-1:]
-            if len(tokens) < 2:
-                return None, tokens
-            cache, rest = self._nearest(model, tokens[:-1])
-            return cache, rest + tokens[-1:]
+        cache, rest = self._fetch(model, tokens)
+        if cache is None or rest or not tokens:
+            return cache, rest
+        if can_trim_prompt_cache(cache):
+            trim_prompt_cache(cache, 1)
+            return cache, tokens[-1:]
+        if len(tokens) < 2:
+            return None, tokens
+        cache, rest = self._nearest(model, tokens[:-1])
+        return cache, rest + tokens[-1:]
+
+    def _fetch(self, model: Any, tokens: List[int]):
+        """mlx-lm's `fetch_nearest_cache` (0.32), sharing or taking entries instead of copying them."""
+        found = serve_compat.search(self, model, tokens)
+        if found.exact is not None:
+            return share(serve_compat.entry(self, model, found.exact).prompt_cache), []
+        short = len(found.shorter) if found.shorter is not None else 0
+        if found.longer is not None and found.common_prefix > short:
+            longer = serve_compat.entry(self, model, found.longer)
+            if can_trim_prompt_cache(longer.prompt_cache):
+                cache = share(longer.prompt_cache)
+                prefix = min(len(tokens) - 1, found.common_prefix)
+                trim_prompt_cache(cache, len(found.longer) - prefix)
+                return cache, tokens[prefix:]
+        if short > 0:
+            shorter = serve_compat.entry(self, model, found.shorter)
+            if shorter.cache_type == "assistant" and not can_trim_prompt_cache(shorter.prompt_cache):
+                serve_compat.take(self, model, found.shorter)  # the conversation's next turn supersedes it
+                self.lent += 1
+                if self.store is not None:
+                    self._lent[tuple(found.shorter)] = model
+                return shorter.prompt_cache, tokens[short:]
+            return share(shorter.prompt_cache), tokens[short:]
+        return None, tokens
+
+    # ------------------------------------------------------------ storing
 
     def insert_cache(self, model: Any, tokens: List[int], prompt_cache: List[Any], *,
-                     cache_type: str = "assistant"):
+                     cache_type: str = "assistant", persist: bool = True):
         layers = h2o_caches(prompt_cache)
         kept, seen = [c.tokens_kept for c in layers], [c.tokens_seen for c in layers]
         with self._lock:
+            before = serve_compat.held_keys(self)
+            if cache_type == "assistant":  # the request's own prompt entry: superseded by its answer's
+                for n in serve_compat.prefixes(self, model, tokens):
+                    if serve_compat.entry(self, model, tokens[:n]).cache_type == "user":
+                        serve_compat.take(self, model, tokens[:n])
+                        self.superseded += 1
             super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
             if layers:  # logged before `stats` can count it
                 log.info("H2O cache stored (%s, %d tokens): %d layers, tokens kept per layer %s "
-                         "(budget %s), seen %s", cache_type, len(tokens), len(layers), _span(kept),
-                         _span([c.config.budget for c in layers]), _span(seen))
+                         "(budget %s), seen %s; %d bytes", cache_type, len(tokens), len(layers), _span(kept),
+                         _span([c.config.budget for c in layers]), _span(seen),
+                         sum(c.nbytes for c in prompt_cache))
                 self._totals.setdefault(model, _Totals()).add(kept, seen, cache_type)
+            if self.store is not None:
+                self._persist(model, tokens, prompt_cache, cache_type, before, persist)
 
     def trim_to(self, **kwargs):
         with self._lock:
+            before = serve_compat.held_keys(self)
             super().trim_to(**kwargs)
+            self._drop_files(before)
+
+    def _persist(self, model, tokens, prompt_cache, cache_type, before, write: bool) -> None:
+        key = (model, tuple(tokens))
+        # a request's prompt entry ("user") lives until its answer's is stored: not written
+        if write and cache_type != "user" and key in serve_compat.held_keys(self):
+            try:
+                self.store.write(tokens, prompt_cache, cache_type)
+            except (OSError, ValueError) as e:  # a full disk must not stop serving
+                log.error("prompt-cache dir: the entry of %d tokens was not written: %s: %s", len(tokens),
+                          type(e).__name__, e)
+        for lent in [t for t, m in self._lent.items() if m == model and tuple(tokens[: len(t)]) == t]:
+            del self._lent[lent]  # its continuation is stored: the lent entry's file goes
+            self.store.remove(lent)
+        self._drop_files(before | {key})
+
+    def _drop_files(self, before: set) -> None:
+        if self.store is None:
+            return
+        for _, tokens in before - serve_compat.held_keys(self):
+            if tokens not in self._lent:
+                self.store.remove(tokens)
+
+    def load(self, model: Any, provider_model) -> int:
+        """File again the entries `store` holds (oldest first, so the bounds drop the oldest);
+        returns how many are held."""
+        if self.store is None:
+            return 0
+        for loaded in self.store.load(provider_model):
+            self.insert_cache(model, loaded.tokens, loaded.cache, cache_type=loaded.cache_type, persist=False)
+        held = len(serve_compat.held_entries(self, model))
+        files, size = self.store.usage()
+        log.info("prompt-cache dir %s: %d entries loaded (%d files, %d bytes)", self.store.path, held, files, size)
+        return held
+
+    # ------------------------------------------------------------ figures
 
     def stats(self, model: Any) -> dict:
         """Tokens kept and seen per H2O layer: maxima over every cache stored for `model`
-        since the start, and over the entries held now."""
+        since the start, and over the entries held now; the prompt cache's entries, bytes,
+        bounds, hits and misses, and its directory."""
         with self._lock:
             totals = self._totals.get(model, _Totals())
             held = serve_compat.held_entries(self, model)
@@ -244,47 +382,201 @@ class H2OPromptCache(LRUPromptCache):
             for entry in held:
                 layers = h2o_caches(entry.prompt_cache)
                 now.add([c.tokens_kept for c in layers], [c.tokens_seen for c in layers])
-            return {
+            out = {
                 "stored": {"caches": totals.caches, "by_type": dict(totals.by_type),
                            "max_kept_per_layer": list(totals.kept),
                            "max_seen_per_layer": list(totals.seen)},
                 "held": {"caches": len(held), "bytes": sum(e.nbytes for e in held),
                          "trimmable": sum(can_trim_prompt_cache(e.prompt_cache) for e in held),
                          "max_kept_per_layer": now.kept, "max_seen_per_layer": now.seen},
+                "prompt_cache": {"entries": len(held), "bytes": sum(e.nbytes for e in held),
+                                 "max_entries": self.max_size,
+                                 "max_bytes": None if self.max_bytes >= 1 << 62 else self.max_bytes,
+                                 "hits": self.hits, "misses": self.misses, "hit_tokens": self.hit_tokens,
+                                 "lent": self.lent, "superseded": self.superseded},
             }
+            if self.store is not None:
+                files, size = self.store.usage()
+                out["prompt_cache"]["dir"] = {"path": str(self.store.path), "files": files, "bytes": size,
+                                              "writes": self.store.writes,
+                                              "write_seconds": round(self.store.write_seconds, 3)}
+            return out
+
+
+def share(prompt_cache: List[Any]) -> List[Any]:
+    """A cache list continuing `prompt_cache` without copying it: each H2O layer a new cache
+    around the same immutable state (a write makes new arrays; the original never
+    changes); any other layer (mutable) deep-copied, as mlx-lm does."""
+    return [type(c)(c.config, c.argmin, state=c.layer_state, prompt=c.policy.prompt, kv_bits=c.policy.kv.bits,
+                    kv_group_size=c.policy.kv.group_size) if isinstance(c, H2OKVCache) else copy.deepcopy(c)
+            for c in prompt_cache]
+
+
+class Reading(NamedTuple):
+    """A long prompt being read before mlx-lm's generator sees it (`PromptReader`).
+
+    item: mlx-lm's (response queue, request, arguments); prompt: all its tokens; cache:
+    what the prompt cache found (or a fresh list), read into slice by slice; head: the
+    tokens to read; tail: the tokens left to the generator (the question); done: tokens
+    of head read so far (a one-element list, advanced in place).
+    """
+
+    item: tuple
+    prompt: List[int]
+    cache: List[Any]
+    head: List[int]
+    tail: List[int]
+    cached: int  # tokens the prompt cache held (its hit)
+    done: List[int]
+    started: float
 
 
 class PromptReader:
-    """Reads the bulk of a long prompt before mlx-lm's generator sees it, query-agnostically.
+    """Reads the bulk of a long prompt before mlx-lm's generator sees it, query-agnostically,
+    one slice at a time.
 
-    Called (on the generation thread) with what the prompt cache found for a prompt: a
-    cache (or None) and the tokens it still lacks. When those tokens would overflow the
-    smallest budget, all but the last `tail` of them are read with `cache_prompt`'s
-    repeat pass, and mlx-lm feeds only the tail (the question, scored by its own queries
-    as usual). What mlx-lm then stores, at the end of the request, kept what a later
-    question can ask for, not only what this one asked.
+    `plan(cache, rest)`: given what the prompt cache found for a prompt (a cache or None,
+    and the tokens it still lacks), None when mlx-lm's prefill keeps every token anyway
+    (the rest fits the smallest budget) or the rest is no longer than `tail`; else
+    `(cache, head, tail)`: all but the last `tail` tokens are read with `cache_prompt`'s
+    repeat pass and mlx-lm feeds only the tail (the question, scored by its own queries
+    as usual). `read(reading)` reads the next `slice` tokens of the head (one
+    `cache_prompt` call, `chunk_size=slice`: cache_prompt continues a cache that holds
+    tokens). What mlx-lm stores at the end of the request kept what a later question can
+    ask for, not only what this one asked.
     """
 
-    def __init__(self, provider: "H2OModelProvider", tail: int):
+    def __init__(self, provider: "H2OModelProvider", tail: int, slice_tokens: int = 512):
         if tail < 1:
             raise ValueError(f"tail={tail} is invalid: expected >= 1 (mlx-lm feeds at least one token)")
-        self.provider, self.tail = provider, tail
+        if slice_tokens < 1:
+            raise ValueError(f"slice_tokens={slice_tokens} is invalid: expected >= 1")
+        self.provider, self.tail, self.slice = provider, tail, slice_tokens
         self.prompts_read = 0  # prompts compressed so far (the log says each)
 
-    def read(self, model_key: Any, cache: Optional[List[Any]], rest: List[int]):
+    def plan(self, cache: Optional[List[Any]], rest: List[int]):
         model = self.provider.model
-        if model is None or model_key != self.provider.model_key or len(rest) <= self.tail:
-            return cache, rest
+        if model is None or len(rest) <= self.tail:
+            return None
         cache = make_prompt_cache(model) if cache is None else cache
         layers = h2o_caches(cache)
         if not layers or max(c.tokens_kept for c in layers) + len(rest) <= min(c.config.budget for c in layers):
-            return cache, rest  # nothing would be evicted: mlx-lm's prefill keeps every token anyway
-        head = rest[: -self.tail]
-        cache_prompt(model, head, cache, repeat_prefix=repeat_prefix(self.provider.tokenizer))
+            return None  # nothing would be evicted: mlx-lm's prefill keeps every token anyway
+        return cache, rest[: -self.tail], rest[-self.tail :]
+
+    def read(self, reading: Reading) -> bool:
+        """Read the next slice of `reading.head` into its cache; True once all of it is read."""
+        done = reading.done[0]
+        part = reading.head[done : done + self.slice]
+        cache_prompt(self.provider.model, part, reading.cache, repeat_prefix=repeat_prefix(self.provider.tokenizer),
+                     chunk_size=self.slice)
+        reading.done[0] = done + len(part)
+        if reading.done[0] < len(reading.head):
+            return False
         self.prompts_read += 1
-        log.info("H2O prompt read with the repeat pass: %d tokens, %d left to the generator; kept per "
-                 "layer %s", len(head), self.tail, _span([c.tokens_kept for c in layers]))
-        return cache, rest[-self.tail :]
+        log.info("H2O prompt read with the repeat pass: %d tokens in %.1f s, %d left to the generator; kept per "
+                 "layer %s", len(reading.head), time.monotonic() - reading.started, len(reading.tail),
+                 _span([c.tokens_kept for c in h2o_caches(reading.cache)]))
+        return True
+
+
+class H2OResponseGenerator(serve_compat.GuardedGenerator):
+    """The guarded generator that reads long prompts between the other requests' decode steps.
+
+    Each request is tokenized and looked up in the prompt cache as it arrives (`admit`).
+    When `reader` plans a read (the prompt overflows the budget), the request waits in a
+    queue of readings; `work` reads one slice (`--prefill-step-size` tokens, one
+    `cache_prompt` call) per turn of mlx-lm's loop, oldest reading first, and while other
+    requests are decoding it reads only after they have had as long as the last slice
+    took (so their tokens come at least half as fast as alone). A streaming client gets
+    its status line and a keep-alive comment as soon as its reading is queued, then one
+    per slice read; a reading whose client left is dropped before its next slice. When
+    its head is read, the request goes to mlx-lm's loop with the cache and its tail
+    (`H2OPromptCache.hand_over`), and its usage counts as cached only what the prompt
+    cache held.
+    """
+
+    def __init__(self, model_provider, prompt_cache: H2OPromptCache, max_prompt_tokens: Optional[int] = None,
+                 reader: Optional[PromptReader] = None):
+        self.reader = reader
+        self._readings: Deque[Reading] = deque()
+        self._cached: Dict[int, int] = {}  # id(response queue) -> tokens the prompt cache held
+        self._resume_at = 0.0  # while others decode, the next slice waits until then
+        self.readings_dropped = 0
+        super().__init__(model_provider, prompt_cache, max_prompt_tokens)
+
+    def has_work(self) -> bool:
+        return bool(self._readings)
+
+    def forget_work(self) -> None:
+        self._readings.clear()
+        self._cached.clear()
+
+    def admit(self, item):
+        rqueue, request, args = item
+        provider = self.model_provider
+        if self.reader is None or provider.model is None:
+            return item
+        try:
+            tokenized = self.tokenize_ahead(request, args)
+        except Exception as e:  # noqa: BLE001 - what mlx-lm's loop does with it: the request's error
+            rqueue.put(e)
+            return None
+        prompt = tokenized[0]
+        if tokenized[4] is not None:  # images: mlx-lm serves them alone, with its own lookup
+            return item
+        cache, rest = self.prompt_cache.fetch_nearest_cache(provider.model_key, prompt)
+        plan = self.reader.plan(cache, rest)
+        if plan is None:
+            self.prompt_cache.hand_over(prompt, cache, rest)
+            return item
+        cache, head, tail = plan
+        reading = Reading(item, prompt, cache, head, tail, len(prompt) - len(rest), [0], time.monotonic())
+        self._readings.append(reading)
+        log.info("H2O prompt of %d tokens (%d cached): %d to read in slices of %d, %d reading(s) queued",
+                 len(prompt), reading.cached, len(head), self.reader.slice, len(self._readings))
+        rqueue.put((0, len(head)))  # a streaming client's status line and first keep-alive
+        return None
+
+    def work(self, busy: bool):
+        while self._readings and self.left(self._readings[0].item[0]):
+            reading = self._readings.popleft()
+            self._drop(reading, f"the client left: its prompt's reading stopped after {reading.done[0]} of "
+                       f"{len(reading.head)} tokens")
+        if not self._readings or (busy and time.monotonic() < self._resume_at):
+            return None
+        reading = self._readings[0]
+        start = time.monotonic()
+        try:
+            finished = self.reader.read(reading)
+        except Exception as e:  # noqa: BLE001 - this request fails, the others are served
+            log.exception("reading a prompt failed (%s: %s): the request is answered with the error",
+                          type(e).__name__, e)
+            self._readings.popleft()
+            self.forget_tokens(reading.item[1])
+            reading.item[0].put(e)
+            return None
+        now = time.monotonic()
+        self._resume_at = now + (now - start)
+        for other in self._readings:  # one keep-alive per slice, to every reading waiting
+            other.item[0].put((other.done[0], len(other.head)))
+        if not finished:
+            return None
+        self._readings.popleft()
+        self._cached[id(reading.item[0])] = reading.cached
+        self.prompt_cache.hand_over(reading.prompt, reading.cache, reading.tail)
+        return reading.item
+
+    def _drop(self, reading: Reading, why: str) -> None:
+        log.info("%s", why)
+        self.readings_dropped += 1
+        self.forget_tokens(reading.item[1])
+        reading.item[0].put(None)  # ends the waiting request's stopper
+
+    def started(self, q, ctx) -> None:
+        cached = self._cached.pop(id(q), None)
+        if cached is not None:  # the tokens read here were not cached: usage says what the cache held
+            ctx.prompt_cache_count = cached
 
 
 def _span(xs: List[int]) -> str:
@@ -301,7 +593,7 @@ def server_stats(response_generator) -> dict:
     budgets = provider.h2o_budgets()
     out = {
         "model": None if model_key is None else model_key[0],
-        "policy": provider.policy.fields(),
+        "policy": provider.stored_policy(),
         "h2o_layers": len(budgets),
         "budget_per_layer": budgets,
     }
@@ -335,11 +627,19 @@ class H2OAPIHandler(serve_compat.GuardedHandler):
 def serve(host: str, port: int, provider: H2OModelProvider, max_prompt_tokens: Optional[int] = None) -> None:
     """mlx_lm.server's `run` with the H2O prompt cache, the guarded generator and the checked
     handler; blocks until Ctrl-C, or exits with EXIT_CODE when generation keeps dying."""
+    args = provider.cli_args
     reader = None
-    if getattr(provider.cli_args, "prompt_retention", "window") == "repeat":
-        reader = PromptReader(provider, max(provider.policy.prompt.window, 1))
-    prompt_cache = H2OPromptCache(provider.cli_args.prompt_cache_size, reader=reader)
-    generator = serve_compat.GuardedGenerator(provider, prompt_cache, max_prompt_tokens)
+    if getattr(args, "prompt_retention", "window") == "repeat" and provider.h2o_budgets():
+        reader = PromptReader(provider, max(provider.policy.prompt.window, 1), args.prefill_step_size)
+    store = None
+    if getattr(args, "prompt_cache_dir", None):
+        from .serve_store import PromptCacheDir
+
+        store = PromptCacheDir(args.prompt_cache_dir, served_id(provider.model_key[0]), provider.stored_policy())
+    max_bytes = args.prompt_cache_bytes if args.prompt_cache_bytes is not None else 1 << 63
+    prompt_cache = H2OPromptCache(args.prompt_cache_size, max_bytes, store=store)
+    prompt_cache.load(provider.model_key, provider.model)
+    generator = H2OResponseGenerator(provider, prompt_cache, max_prompt_tokens, reader)
     limits = provider.limits()
     provider.alias(limits.model_id)
     handler = serve_compat.handler_class(H2OAPIHandler, limits)
@@ -386,8 +686,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     log.info("limits: prompts of at most %s tokens, at most %d new tokens per request, %d prompt tokens "
              "per prefill step", max_prompt or "any number of", args.max_tokens, args.prefill_step_size)
     log.info("prompt cache: %s", "off (--prompt-cache-size 0)" if args.prompt_cache_size <= 0 else
-             f"on, {args.prompt_cache_size} entries: a stored H2O cache is continued when a prompt "
-             "extends it, and trimmed back only while it has evicted nothing")
+             f"on, at most {args.prompt_cache_size} entries and "
+             f"{'any number of' if args.prompt_cache_bytes is None else args.prompt_cache_bytes} bytes"
+             f"{'' if not args.prompt_cache_dir else ', kept in ' + args.prompt_cache_dir}: a stored H2O "
+             "cache is continued when a prompt extends it (shared, never copied), and trimmed back only while "
+             "it has evicted nothing")
     log.info("H2O stats: GET http://%s:%d%s", args.host, args.port, STATS_PATH)
     serve(args.host, args.port, provider, max_prompt)
 

@@ -43,6 +43,7 @@ MLX_LM_VERSION = "0.32.2"
 POLL_S = 0.2  # how often a waiting request checks that its client is still there
 CRASHES, CRASH_WINDOW_S = 3, 60.0  # this many generation-thread deaths in the window: exit
 EXIT_CODE = 70  # EX_SOFTWARE: the server stopped itself
+ALLOWED = ("GET", "POST", "OPTIONS")  # the methods the handler answers; others get OpenAI's error shape, 405
 
 log = logging.getLogger("h2o_fn.serve")
 _client = threading.local()  # the socket of the request this HTTP thread serves
@@ -99,8 +100,45 @@ class GuardedGenerator(mlx_server.ResponseGenerator):
         self.max_prompt_tokens = max_prompt_tokens
         self.deaths: List[float] = []  # monotonic times the generation thread died
         self._held = set()  # response queues of the requests being served
+        self._left = set()  # response queues of requests whose client left before they started
+        self._tokenized = {}  # id(request) -> (request, _tokenize's result), tokenized ahead of the loop
         self._held_lock = threading.Lock()
         super().__init__(model_provider, prompt_cache)  # starts the generation thread
+
+    # ------------------------------------------------------------ work before a request starts
+
+    def _next_request(self, timeout=None):
+        """What mlx-lm's generation loop calls for its next request: it waits up to `timeout`
+        s, or not at all (None: other requests are being decoded). A request goes first to
+        `admit`, which may keep it for work of its own (reading a long prompt); that work
+        is done one slice per call (`work`), between the loop's decode steps, and the
+        request is handed to the loop when its work is done."""
+        busy = timeout is None
+        request = super()._next_request(None if self.has_work() else timeout)
+        if request is not None:
+            request = self.admit(request)
+            if request is not None:
+                return request
+        return self.work(busy)
+
+    def has_work(self) -> bool:
+        """Whether requests wait for work of their own (`work`)."""
+        return False
+
+    def admit(self, request):
+        """`request` (mlx-lm's `(response queue, request, arguments)`) to serve now, or None
+        when it was kept for work of its own or answered. Here: served now."""
+        return request
+
+    def work(self, busy: bool):
+        """One slice of the work kept requests wait for; a request whose work is done (for
+        the loop to serve), else None. `busy`: other requests are being decoded."""
+        return None
+
+    def left(self, q: Queue) -> bool:
+        """Whether the client of the request answering on `q` has left."""
+        with self._held_lock:
+            return q in self._left
 
     def _run_generate(self):
         while not self._stop:
@@ -126,21 +164,42 @@ class GuardedGenerator(mlx_server.ResponseGenerator):
         _thread.interrupt_main()
 
     def _fail_held(self, e: BaseException) -> None:
+        self.forget_work()
+        self._tokenized.clear()
         with self._held_lock:
             held, self._held = list(self._held), set()
         for q in held:
             q.put(RuntimeError(f"the generation thread died while serving this request ({type(e).__name__})"))
 
+    def forget_work(self) -> None:
+        """Drop the work kept requests wait for (the generation thread died: they are failed)."""
+
     def _release(self, q: Queue) -> None:
         with self._held_lock:
             self._held.discard(q)
+            self._left.discard(q)
 
     def _tokenize(self, tokenizer, request, args):
+        ahead = self._tokenized.pop(id(request), None)
+        if ahead is not None and ahead[0] is request:
+            return ahead[1]
         out = super()._tokenize(tokenizer, request, args)
         if self.max_prompt_tokens is not None and len(out[0]) > self.max_prompt_tokens:
             raise PromptTooLong(len(out[0]), self.max_prompt_tokens,
                                 "messages" if request.request_type == "chat" else "prompt")
         return out
+
+    def tokenize_ahead(self, request, args) -> tuple:
+        """mlx-lm's `_tokenize` of a request before the loop sees it: `(prompt, segments,
+        segment types, initial state, vision)`; the loop's own call then returns the same
+        (once). Raises what tokenizing raises (PromptTooLong, a template's error)."""
+        out = self._tokenize(self.model_provider.tokenizer, request, args)
+        self._tokenized[id(request)] = (request, out)
+        return out
+
+    def forget_tokens(self, request) -> None:
+        """The loop will never tokenize `request` (dropped before it started)."""
+        self._tokenized.pop(id(request), None)
 
     def _await_response(self, response_queue: Queue):
         sock = getattr(_client, "sock", None)
@@ -162,16 +221,32 @@ class GuardedGenerator(mlx_server.ResponseGenerator):
         self.requests.put((q, request, generation_args))
         try:
             ctx = self._await_response(q)
-        except ClientGone:  # stop it as soon as the generator starts it
+            while isinstance(ctx, tuple):  # progress of work before it starts (a long prompt read)
+                handler = getattr(_client, "handler", None)
+                if handler is not None:
+                    handler.start_stream()  # a streaming client gets its status line at once
+                if progress_callback is not None:
+                    progress_callback(*ctx)
+                ctx = self._await_response(q)
+        except (ClientGone, BrokenPipeError, ConnectionResetError):  # stop it as soon as it starts
+            with self._held_lock:
+                self._left.add(q)
             threading.Thread(target=self._stop_when_started, args=(q,), daemon=True).start()
-            raise
+            raise ClientGone() from None  # past mlx-lm's `except Exception`, which would answer 404
         except RuntimeError as e:
             self._release(q)
             raise Answered(as_client_error(e)) from None
         if isinstance(ctx, Exception):
             self._release(q)
             raise Answered(as_client_error(ctx))
+        if ctx is None:  # its work ended it (nothing to answer)
+            self._release(q)
+            raise Answered(as_client_error(RuntimeError("the request was dropped before it started")))
+        self.started(q, ctx)
         return ctx, self._responses(q, progress_callback)
+
+    def started(self, q: Queue, ctx) -> None:
+        """The request answering on `q` started (`ctx`: mlx-lm's GenerationContext)."""
 
     def _responses(self, q: Queue, progress_callback):
         try:
@@ -196,9 +271,11 @@ class GuardedGenerator(mlx_server.ResponseGenerator):
                     ctx = q.get(timeout=POLL_S)
                 except Empty:
                     continue
+                if isinstance(ctx, tuple):  # progress of its work: not started yet
+                    continue
                 if isinstance(ctx, mlx_server.GenerationContext):
                     ctx.stop()
-                return
+                return  # started and stopped, failed, or dropped by its work (None)
         finally:
             self._release(q)
 
@@ -217,15 +294,71 @@ class GuardedHandler(mlx_server.APIHandler):
         self.wfile.write(data)
         self.wfile.flush()
 
-    def send_client_error(self, e: ClientError) -> None:
+    _stream_started = False  # the status line of an event stream was sent (`start_stream`)
+    _skip_end_headers = False
+
+    def start_stream(self) -> None:
+        """Send an event stream's status line and headers now, once (a long prompt is being
+        read: the client hears from the server at once); mlx-lm's later call is skipped."""
+        if getattr(self, "stream", False) and not self._stream_started:
+            mlx_server.APIHandler._set_stream_headers(self, 200)
+            mlx_server.APIHandler.end_headers(self)
+            self._stream_started = True
+
+    def _set_stream_headers(self, status_code: int = 200):
+        if self._stream_started:
+            self._skip_end_headers = True
+            return
+        super()._set_stream_headers(status_code)
+
+    def end_headers(self):
+        if self._skip_end_headers:
+            self._skip_end_headers = False
+            return
+        super().end_headers()
+
+    def send_client_error(self, e: ClientError, headers: Optional[dict] = None) -> None:
         log.info("refused (%d): %s", e.status, e.message)
-        self.send_json(e.status, e.body())
+        if e.status in (400, 408) and e.code in ("incomplete_body", "request_timeout"):
+            self.close_connection = True  # what is left of the body must not be read as a request
+        try:
+            if self._stream_started:  # the status line (200) is out: the error is the stream's last event
+                self.close_connection = True
+                self.wfile.write(f"data: {json.dumps(e.body())}\n\n".encode())
+                self.wfile.flush()
+            elif headers:
+                self._set_completion_headers(e.status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                data = json.dumps(e.body()).encode()
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                self.wfile.flush()
+            else:
+                self.send_json(e.status, e.body())
+        except (BrokenPipeError, ConnectionResetError):
+            log.info("the client left before its %d answer", e.status)
+            self.close_connection = True
+
+    def handle(self):
+        """BaseHTTPRequestHandler's loop; a client that closes mid-answer ends the connection with a
+        log line, not a traceback."""
+        try:
+            super().handle()
+        except (BrokenPipeError, ConnectionResetError) as e:
+            log.info("the client closed the connection (%s)", type(e).__name__)
 
     def do_POST(self):
         if self.path not in serve_requests.CHAT_PATHS + serve_requests.TEXT_PATHS:
             return self.send_client_error(ClientError(404, f"no such endpoint: POST {self.path}", code="not_found"))
         try:
-            body = serve_requests.check(self.path, serve_requests.read_body(self.headers, self.rfile), self.limits)
+            self.connection.settimeout(serve_requests.BODY_TIMEOUT_S)
+            try:
+                raw_body = serve_requests.read_body(self.headers, self.rfile)
+            finally:
+                self.connection.settimeout(None)
+            body = serve_requests.check(self.path, raw_body, self.limits)
         except ClientError as e:
             return self.send_client_error(e)
         data = json.dumps(body).encode()
@@ -237,8 +370,30 @@ class GuardedHandler(mlx_server.APIHandler):
         finally:
             self.rfile = raw
 
+    def do_GET(self):
+        path = self.path.split("?", 1)[0]
+        if path.startswith("/v1/models") or path == "/health":
+            return super().do_GET()
+        self.send_client_error(ClientError(404, f"no such endpoint: GET {self.path}", code="not_found"))
+
+    def _method_not_allowed(self):
+        self.close_connection = True  # a body it may carry is not read
+        self.send_client_error(ClientError(405, f"{self.command} is not allowed on {self.path}: expected "
+                                           f"{', '.join(ALLOWED)}", code="method_not_allowed"),
+                               {"Allow": ", ".join(ALLOWED)})
+
+    do_PUT = do_DELETE = do_PATCH = do_TRACE = do_CONNECT = _method_not_allowed
+
+    def do_HEAD(self):
+        self.close_connection = True
+        self.send_response(405)
+        self.send_header("Allow", ", ".join(ALLOWED))
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
     def handle_completion(self, request, stop_words):
-        _client.sock = self.connection
+        _client.sock, _client.handler = self.connection, self
+        self._stream_started = self._skip_end_headers = False
         try:
             super().handle_completion(request, stop_words)
         except Answered as a:
@@ -247,7 +402,7 @@ class GuardedHandler(mlx_server.APIHandler):
             log.info("the client left: request %s stopped", getattr(self, "request_id", "?"))
             self.close_connection = True
         finally:
-            _client.sock = None
+            _client.sock = _client.handler = None
 
     def handle_models_request(self):
         model = {"id": self.limits.model_id, "object": "model", "created": self.created, "owned_by": "h2o-fn"}
@@ -341,6 +496,43 @@ def held_entries(prompt_cache: LRUPromptCache, model: Any) -> list:
     return [prompt_cache._trie.get(m, t) for lru in prompt_cache._lru._lrus.values() for m, t in lru if m == model]
 
 
+def held_keys(prompt_cache: LRUPromptCache) -> set:
+    """`(model, tuple of tokens)` of every entry held now."""
+    return {(m, tuple(t)) for lru in prompt_cache._lru._lrus.values() for m, t in lru}
+
+
+def search(prompt_cache: LRUPromptCache, model: Any, tokens: List[int]):
+    """mlx-lm's trie search for `tokens`: `.exact`, `.shorter` (the longest stored prefix),
+    `.longer` (the shortest stored extension) as token lists or None, `.common_prefix`."""
+    return prompt_cache._trie.search(model, tokens)
+
+
+def entry(prompt_cache: LRUPromptCache, model: Any, tokens: List[int]):
+    """The stored entry for exactly `tokens` (`.prompt_cache`, `.nbytes`, `.cache_type`)."""
+    return prompt_cache._trie.get(model, tokens)
+
+
+def prefixes(prompt_cache: LRUPromptCache, model: Any, tokens: List[int]) -> List[int]:
+    """The lengths of the stored entries that are proper prefixes of `tokens`, shortest first."""
+    node, out = prompt_cache._trie._trie.get(model, {}), []
+    for i, tok in enumerate(tokens[:-1]):
+        node = node.get(tok)
+        if node is None:
+            break
+        if "__value__" in node:
+            out.append(i + 1)
+    return out
+
+
+def take(prompt_cache: LRUPromptCache, model: Any, tokens: List[int]):
+    """Remove the entry for exactly `tokens` and return it, as mlx-lm's eviction does."""
+    found = prompt_cache._trie.pop(model, tokens)
+    prompt_cache._lru.remove(model, tokens)
+    prompt_cache._n_bytes -= found.nbytes
+    prompt_cache._n_bytes_by_type[found.cache_type] -= found.nbytes
+    return found
+
+
 # ---------------------------------------------------------------- what this module relies on
 
 _METHODS = {
@@ -352,6 +544,7 @@ _METHODS = {
         "__init__": ["self", "model_provider", "prompt_cache"],
         "_run_generate": ["self"], "_generate": ["self"], "generation_available": ["self"],
         "_await_response": ["self", "response_queue"], "_tokenize": ["self", "tokenizer", "request", "args"],
+        "_next_request": ["self", "timeout"],
         "generate": ["self", "request", "generation_args", "progress_callback"],
     },
     mlx_server.APIHandler: {
@@ -368,12 +561,20 @@ _SOURCE = {
     mlx_server.ResponseGenerator.__init__: ["self._generation_failed = False", "self.requests = Queue()",
                                             "Thread(target=self._run_generate)"],
     mlx_server.ResponseGenerator._generate: ["self.prompt_cache.fetch_nearest_cache(", "._should_stop",
-                                             "rqueue.put(e)", "self._tokenize("],
+                                             "rqueue.put(e)", "self._tokenize(", "return self._next_request(timeout)",
+                                             "if (batch_generator is not None and len(batch_results) > 0)",
+                                             "result[\"rqueue\"].put(r.progress)"],
     mlx_server.ResponseGenerator._serve_single: ["ctx._should_stop", "self._tokenize("],
     mlx_server.APIHandler.do_POST: ["self.rfile.read(content_length)", 'self.headers.get("Content-Length")'],
     mlx_server.APIHandler.handle_completion: ["self.response_generator.generate(", "ctx.stop()"],
     mlx_server.main: ["argparse.ArgumentParser(", "parser.parse_args()"],
-    LRUPromptCache.__init__: ["self._lru", "self._trie"],
+    LRUPromptCache.__init__: ["self._lru", "self._trie", "self._n_bytes", "self._n_bytes_by_type"],
+    LRUPromptCache.fetch_nearest_cache: ["self._trie.search(model, tokens)", "result.exact", "result.shorter",
+                                         "result.longer", "result.common_prefix", "copy.deepcopy("],
+    LRUPromptCache.trim_to: ["model, tokens = self._lru.pop()", "entry = self._trie.pop(model, tokens)",
+                             "self._n_bytes -= entry.nbytes",
+                             "self._n_bytes_by_type[entry.cache_type] -= entry.nbytes"],
+    mlx_server.ResponseGenerator._next_request: ["self.requests.get(timeout=timeout)", "self.requests.get_nowait()"],
     mlx_server.ModelProvider.load: ["self._load(*model_key)", "if self.model_key != model_key"],
 }
 

@@ -29,6 +29,7 @@ TEXT_PATHS = ("/v1/completions",)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_BODY_BYTES = 8 << 20
+BODY_TIMEOUT_S = 10.0  # a body that stops arriving for this long is answered 408 (GuardedHandler's socket timeout)
 MAX_CONTEXT_SIZE = 1 << 20  # repetition/presence/frequency windows (tokens)
 # Fields that change what OpenAI's API returns and that this server cannot honour.
 UNSUPPORTED = {
@@ -72,7 +73,12 @@ class Limits(NamedTuple):
 
 
 def read_body(headers, rfile, max_bytes: int = MAX_BODY_BYTES) -> Dict[str, Any]:
-    """The JSON object of a POST (`headers` with `.get`, `rfile` with `.read`)."""
+    """The JSON object of a POST (`headers` with `.get`, `rfile` with `.read`).
+
+    A body shorter than its Content-Length (the client closed early) is 400; one that
+    stops arriving (`rfile.read` raises TimeoutError: the handler reads it with a socket
+    timeout of BODY_TIMEOUT_S) is 408. Strings that UTF-8 cannot encode are 400 naming the
+    field (`lone_surrogate`)."""
     length = headers.get("Content-Length")
     if length is None:
         raise ClientError(411, "the Content-Length header is required", code="length_required")
@@ -84,7 +90,14 @@ def read_body(headers, rfile, max_bytes: int = MAX_BODY_BYTES) -> Dict[str, Any]
         raise ClientError(400, f"Content-Length={n} is invalid: expected a non-negative integer")
     if n > max_bytes:
         raise ClientError(413, f"the body has {n} bytes: expected at most {max_bytes}", code="body_too_large")
-    raw = rfile.read(n)
+    try:
+        raw = rfile.read(n)
+    except TimeoutError:
+        raise ClientError(408, f"Content-Length={n}, but the body stopped arriving for {BODY_TIMEOUT_S:g} s: "
+                          f"expected {n} bytes", code="request_timeout") from None
+    if len(raw) < n:
+        raise ClientError(400, f"the body has {len(raw)} bytes: Content-Length={n} expected {n}",
+                          code="incomplete_body")
     try:
         body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -95,7 +108,39 @@ def read_body(headers, rfile, max_bytes: int = MAX_BODY_BYTES) -> Dict[str, Any]
         raise ClientError(400, "the body nests JSON too deeply: expected an object of a few levels") from None
     if not isinstance(body, dict):
         raise ClientError(400, f"the body is a JSON {type(body).__name__}: expected an object")
+    bad = lone_surrogate(body)
+    if bad is not None:
+        where, text, at = bad
+        raise ClientError(400, f"{where} holds a lone surrogate (U+{ord(text[at]):04X} at character {at}): "
+                          "expected text that encodes as UTF-8 (a pair of surrogates, or the character itself)",
+                          where)
     return body
+
+
+def lone_surrogate(body) -> Optional[Tuple[str, str, int]]:
+    """The first string (a value or a key) of a parsed JSON body that UTF-8 cannot encode:
+    `(field, string, index of its lone surrogate)`, or None. JSON's `\\ud800` escapes
+    parse into such strings, which the tokenizer cannot take. Walked without recursion
+    (the body may nest as deeply as the JSON parser allowed)."""
+    stack = [("body", body)]
+    while stack:
+        where, x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return where, x, e.start
+        elif isinstance(x, dict):
+            for k, v in reversed(list(x.items())):
+                stack += [(_field(where, k), v), (f"{_field(where, k)} (the key)", k)]
+        elif isinstance(x, list):
+            stack += [(f"{where}[{i}]", v) for i, v in reversed(list(enumerate(x)))]
+    return None
+
+
+def _field(where: str, key: str) -> str:
+    key = key.encode("utf-8", "backslashreplace").decode("utf-8")  # a key may hold the surrogate itself
+    return key if where == "body" else f"{where}.{key}"
 
 
 def check(path: str, body: Dict[str, Any], limits: Limits) -> Dict[str, Any]:
