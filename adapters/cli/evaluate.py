@@ -21,6 +21,10 @@ only those results. Caches are compared at the same budget: mlx-lm's full `KVCac
 - sweep: true-query H2O at one budget, decay, grace and the GQA reduction varied.
 - mass: the oracle, the attention mass each query's best k keys hold (full cache).
 - plots: a kept-positions map for one layer/head (and perplexity vs budget).
+- ruler (only when named: it is the longest): RULER's synthetic tasks (needles, variable
+  tracking, common and frequent words) on the noise and pydoc haystacks at 1k-4k tokens,
+  each method of `quality/ruler_methods.py` at kvpress's compression ratios, the question
+  after the compressed context (agnostic) or inside it (aware).
 
 Writes results/eval/{eval.json, eval.md, *.png}; sections of earlier runs stay in
 eval.json unless this run redoes them. Each section is one module of
@@ -39,7 +43,9 @@ from h2o_fn.allocation import POLICIES
 from ..attention import query_scoring
 from ..retention import CHUNK
 from . import common, plots
-from .quality import agree, frontier, kept_map, mass, passkey, peak, ppl, sweep
+from .quality import agree, frontier, kept_map, mass, passkey, peak, ppl, ruler, sweep
+from .quality.ruler_methods import METHODS as RULER_METHODS
+from .quality.ruler_tasks import TASKS as RULER_TASKS, TEMPLATES as RULER_TEMPLATES
 from .quality.specs import PROMPTS, RETRIEVAL_FAMILIES, Run
 from .retrieval import PROTOCOLS
 
@@ -54,8 +60,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                                      epilog="sections:\n" + "\n".join(
                                          f"  {name:10s} {section.measure.__doc__.splitlines()[0]}"
                                          for name, (_, section) in SECTIONS.items()))
-    parser.add_argument("what", nargs="*", default=list(SECTIONS),
-                        help=f"sections to run, any of: {' '.join(SECTIONS)} (default: all)")
+    parser.add_argument("what", nargs="*", default=[s for s in SECTIONS if s not in OPT_IN],
+                        help=f"sections to run, any of: {' '.join(SECTIONS)} (default: all but "
+                        f"{' '.join(OPT_IN)})")
     common.add_run_flags(parser, "results/eval")
     common.add_policy_flags(parser, ("n_sink", "grace", "decay", "kv_bits", "kv_group_size", "window", "pool",
                                      "evict_every"))
@@ -97,6 +104,27 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peak-context", type=int, default=4096,
                         help="prompt tokens of the peak-memory measurement (default 4096)")
     parser.add_argument("--map-steps", type=int, default=200, help="decode steps of the kept-positions map")
+    ruler_flags = parser.add_argument_group("ruler (RULER's synthetic tasks; --protocols and --repeat-chunk apply)")
+    ruler_flags.add_argument("--ruler-tasks", nargs="+", choices=list(RULER_TASKS), default=list(RULER_TASKS),
+                             metavar="TASK", help=f"RULER task names (default all: {' '.join(RULER_TASKS)})")
+    ruler_flags.add_argument("--ruler-lengths", type=int, nargs="+", default=[1024, 2048, 4096],
+                             help="prompt plus generated tokens, as RULER's max_seq_length (default 1024 2048 4096)")
+    ruler_flags.add_argument("--ruler-haystacks", nargs="+", choices=ruler.RULER_HAYSTACKS, default=["ruler"],
+                             help="ruler: each task's own haystack (noise, pydoc text for RULER's essays, "
+                             "distractor needles); noise or essay: that one for every task with a filler "
+                             "haystack (default ruler)")
+    ruler_flags.add_argument("--ruler-ratios", type=float, nargs="*", default=list(ruler.RATIOS),
+                             help="fractions of the context removed, kvpress's compression ratios "
+                             f"(default {' '.join(map(str, ruler.RATIOS))})")
+    ruler_flags.add_argument("--ruler-budgets", type=int, nargs="*", default=[],
+                             help="fixed budgets, tokens per layer and KV head (default none)")
+    ruler_flags.add_argument("--ruler-samples", type=int, default=4, help="samples per task (default 4)")
+    ruler_flags.add_argument("--ruler-methods", nargs="+", choices=list(RULER_METHODS), default=list(RULER_METHODS),
+                             help="methods compared (quality/ruler_methods.py; the full cache always runs: "
+                             "the reference) (default all)")
+    ruler_flags.add_argument("--ruler-template", choices=RULER_TEMPLATES, default="base",
+                             help="base: RULER's task template as is; chat: inside the tokenizer's chat "
+                             "template (default base)")
     return parser
 
 
@@ -110,11 +138,14 @@ SECTIONS: Dict[str, tuple] = {
     "retrieval": ("retrieval", passkey),
     "peak": ("peak", peak),
     "plots": ("kept_map", kept_map),
+    "ruler": ("ruler", ruler),
 }
+OPT_IN = ("ruler",)  # run only when named
 
 # results key -> its renderer, in the report's order (kept_map is drawn, not tabled)
 RENDER: Dict[str, Callable[[dict], List[str]]] = {
-    key: SECTIONS[key][1].render for key in ("ppl", "frontier", "mass", "sweep", "agree", "retrieval", "peak")}
+    key: SECTIONS[key][1].render for key in ("ppl", "frontier", "mass", "sweep", "agree", "retrieval", "peak",
+                                             "ruler")}
 
 
 def markdown(results: dict) -> str:
@@ -139,6 +170,9 @@ def draw(results: dict, out: Path, what: List[str]) -> List[str]:
     if "frontier" in what and "frontier" in results:
         plots.plot_frontier(results["frontier"]["rows"], out / "frontier.png")
         written.append("frontier.png")
+    if "ruler" in what and "ruler" in results:
+        ruler.plot(results["ruler"], out / "ruler.png")
+        written.append("ruler.png")
     return written
 
 
