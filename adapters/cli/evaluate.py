@@ -104,28 +104,32 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peak-context", type=int, default=4096,
                         help="prompt tokens of the peak-memory measurement (default 4096)")
     parser.add_argument("--map-steps", type=int, default=200, help="decode steps of the kept-positions map")
-    ruler_flags = parser.add_argument_group("ruler (RULER's synthetic tasks; --protocols and --repeat-chunk apply)")
-    ruler_flags.add_argument("--ruler-tasks", nargs="+", choices=list(RULER_TASKS), default=list(RULER_TASKS),
-                             metavar="TASK", help=f"RULER task names (default all: {' '.join(RULER_TASKS)})")
-    ruler_flags.add_argument("--ruler-lengths", type=int, nargs="+", default=[1024, 2048, 4096],
-                             help="prompt plus generated tokens, as RULER's max_seq_length (default 1024 2048 4096)")
-    ruler_flags.add_argument("--ruler-haystacks", nargs="+", choices=ruler.RULER_HAYSTACKS, default=["ruler"],
-                             help="ruler: each task's own haystack (noise, pydoc text for RULER's essays, "
-                             "distractor needles); noise or essay: that one for every task with a filler "
-                             "haystack (default ruler)")
-    ruler_flags.add_argument("--ruler-ratios", type=float, nargs="*", default=list(ruler.RATIOS),
-                             help="fractions of the context removed, kvpress's compression ratios "
-                             f"(default {' '.join(map(str, ruler.RATIOS))})")
-    ruler_flags.add_argument("--ruler-budgets", type=int, nargs="*", default=[],
-                             help="fixed budgets, tokens per layer and KV head (default none)")
-    ruler_flags.add_argument("--ruler-samples", type=int, default=4, help="samples per task (default 4)")
-    ruler_flags.add_argument("--ruler-methods", nargs="+", choices=list(RULER_METHODS), default=list(RULER_METHODS),
-                             help="methods compared (quality/ruler_methods.py; the full cache always runs: "
-                             "the reference) (default all)")
-    ruler_flags.add_argument("--ruler-template", choices=RULER_TEMPLATES, default="base",
-                             help="base: RULER's task template as is; chat: inside the tokenizer's chat "
-                             "template (default base)")
+    add_ruler_flags(parser)
     return parser
+
+
+def add_ruler_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of `eval ruler` (its methods: the registry of quality/ruler_methods.py)."""
+    group = parser.add_argument_group("ruler (RULER's synthetic tasks; --protocols and --repeat-chunk apply)")
+    group.add_argument("--ruler-tasks", nargs="+", choices=list(RULER_TASKS), default=list(RULER_TASKS),
+                       metavar="TASK", help=f"RULER task names (default all: {' '.join(RULER_TASKS)})")
+    group.add_argument("--ruler-lengths", type=int, nargs="+", default=[1024, 2048, 4096],
+                       help="prompt plus generated tokens, as RULER's max_seq_length (default 1024 2048 4096)")
+    group.add_argument("--ruler-haystacks", nargs="+", choices=ruler.RULER_HAYSTACKS, default=["ruler"],
+                       help="ruler: each task's own haystack (noise, pydoc text for RULER's essays, distractor "
+                       "needles); noise or essay: that one for every task with a filler haystack (default ruler)")
+    group.add_argument("--ruler-ratios", type=float, nargs="*", default=list(ruler.RATIOS),
+                       help="fractions of the context removed, kvpress's compression ratios "
+                       f"(default {' '.join(map(str, ruler.RATIOS))})")
+    group.add_argument("--ruler-budgets", type=int, nargs="*", default=[],
+                       help="fixed budgets, tokens per layer and KV head (default none)")
+    group.add_argument("--ruler-samples", type=int, default=4, help="samples per task (default 4)")
+    group.add_argument("--ruler-methods", nargs="+", choices=list(RULER_METHODS), default=list(RULER_METHODS),
+                       help="methods compared (quality/ruler_methods.py; the full cache always runs: the "
+                       "reference) (default all)")
+    group.add_argument("--ruler-template", choices=RULER_TEMPLATES, default="base",
+                       help="base: RULER's task template as is; chat: inside the tokenizer's chat template "
+                       "(default base)")
 
 
 # name -> (results key, section module); run in this order whatever order they are asked in

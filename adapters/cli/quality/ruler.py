@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from .. import common, plots
+from .. import common
 from .ruler_methods import METHODS
 from .ruler_tasks import METRICS, TASKS, Sample, found_all, generate, postprocess, task_haystack
 from .specs import Run
@@ -254,7 +254,13 @@ def plot(r: dict, path) -> None:
     """Mean score against the compression ratio, one line per method (the full cache at
     ratio 0 and as a dashed line), one panel per protocol, length and haystack (kvpress's
     leaderboard plot)."""
-    plt = plots._pyplot()
+    try:
+        import matplotlib
+    except ImportError:  # pragma: no cover - the bench extra installs it
+        raise SystemExit("plots need matplotlib: pip install matplotlib (or the project's [bench] extra)")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     panels = [(p, n, h) for p in sorted(r["protocols"], key=("agnostic", "aware").index) for n in r["lengths"]
               for h in r["haystacks"]]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False, sharey=True)
@@ -272,4 +278,6 @@ def plot(r: dict, path) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("RULER mean score")
     axes[0][-1].legend(fontsize=7)
-    plots._save(fig, path)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
