@@ -27,7 +27,7 @@ CHUNKS = [24, 1, 1, 1, 9, 1, 1]
 @pytest.fixture(scope="module")
 def smollm():
     # the GGUF's Q4_1 weights dequantized exactly to float32: on a CPU, mlx's quantized
-    # matmuls cost ~1.3x float32 per decoded token (the seed scenario decodes 600)
+    # matmuls cost ~1.3x float32 per decoded token (the seed scenario decodes 440)
     model, tokenizer = gguf.load_gguf(dequantize=True)
     yield model, tokenizer
     remove_query_hook(model)
@@ -40,6 +40,15 @@ def tokens(smollm):
     return mx.array(smollm[1].encode(topics["assert"])[: sum(CHUNKS)])
 
 
+@pytest.fixture(scope="module")
+def full_logits(smollm, tokens):
+    """mlx-lm's KVCache over the chunks, computed once for both scorings."""
+    model, _ = smollm
+    logits = run(model, [KVCache() for _ in model.layers], tokens)
+    mx.eval(logits)
+    return logits
+
+
 def run(model, cache, tokens, chunks=CHUNKS):
     out, i = [], 0
     for n in chunks:
@@ -49,9 +58,8 @@ def run(model, cache, tokens, chunks=CHUNKS):
 
 
 @pytest.mark.parametrize("scoring", ["key", "query"])
-def test_smollm2_logits_equal_kvcache_when_nothing_is_evicted(smollm, tokens, scoring):
-    model, _ = smollm
-    full = run(model, [KVCache() for _ in model.layers], tokens)
+def test_smollm2_logits_equal_kvcache_when_nothing_is_evicted(smollm, tokens, full_logits, scoring):
+    model, full = smollm[0], full_logits
     cfg = H2OConfig(budget=64, n_sink=4, grace=16, scoring=scoring)
     h2o = run(model, make_h2o_cache(model, cfg), tokens)
     # the hook's explicit float32 attention (key scoring: on decode tokens, on the CPU)
@@ -88,22 +96,24 @@ def degenerate(ids) -> bool:
 
 @pytest.mark.parametrize("cache_kind", ["key", "query"])
 def test_seed_failure_photosynthesis_does_not_collapse(smollm, cache_kind, record_property):
-    """The seed's failure: budget 128, n_sink 2, grace 32, decay 0.98, 300 greedy tokens.
+    """The seed's failure: budget 128, n_sink 2, grace 32, decay 0.98, the photosynthesis prompt.
 
-    The seed's cache broke "thylakoid" into "th th th ..." once eviction started.
-    Reported here for each scoring (the full cache's figures on this prompt: `make run`);
-    a repeated-token loop fails the test.
+    The seed's cache broke "thylakoid" into "th th th ..." once eviction started. 220 greedy
+    tokens (the seed ran 300; each costs ~0.2-0.4 s on 2 cores without OpenBLAS): eviction
+    starts at the 94th and runs for the last 127, one budget's worth, so every evictable
+    token of the first full cache has had its chance to go. Reported here for each scoring
+    (`make run` shows 300 tokens with the defaults); a repeated-token loop fails the test.
     """
     model, tokenizer = smollm
     prompt = build_prompt(tokenizer, "Explain photosynthesis in detail.", True)
     assert 30 <= len(prompt) <= 40
     cache = make_h2o_cache(model, H2OConfig(budget=128, n_sink=2, grace=32, decay=0.98, scoring=cache_kind))
-    ids = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=300, prompt_cache=cache)]
+    ids = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=220, prompt_cache=cache)]
     text = tokenizer.decode(ids)
     record_property("summary", (  # printed at the end of the run (tests/conftest.py)
         f"[seed scenario, {cache_kind}] {len(ids)} tokens, repeated 4-grams "
         f"{repeated_4grams(ids):.3f}, longest run {longest_run(ids)}, "
         f"loop: {degenerate(ids)}\n  ...{text[-300:]!r}"))
-    assert cache[0].tokens_kept == 128 and cache[0].compression_ratio > 2
+    assert cache[0].tokens_kept == 128 and cache[0].compression_ratio > 1.95  # 254 seen
     assert not degenerate(ids), text
     assert "th th th" not in text
