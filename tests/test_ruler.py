@@ -133,11 +133,12 @@ def test_budgets_protocols_and_stops():
     assert [ruler.budget_at(r, 1000) for r in ruler.RATIOS] == [750, 500, 250, 125]
     with pytest.raises(ValueError, match="compression ratio 1.0 is invalid"):
         ruler.budget_at(1.0, 10)
-    s = ruler_tasks.Sample("t", None, 64, 0, [1, 2, 3], [4, 5], ["x"], 8, 1, "")
+    s = ruler_tasks.Sample("t", None, 64, 0, [1, 2, 3], [4, 5], ["x"], 8, True, "")
     assert ruler.split(s, "agnostic") == ([1, 2, 3], [4, 5]) and ruler.split(s, "aware") == ([1, 2, 3, 4], [5])
     with pytest.raises(ValueError, match="protocol 'both' is invalid"):
         ruler.split(s, "both")
-    assert ruler.stops(" 12.\nThe", 1) and not ruler.stops("\n\n 12.", 1) and not ruler.stops(" a\nb", 2)
+    assert ruler.stops(" 12.\nThe", True) and not ruler.stops("\n\n 12.", True) and not ruler.stops(" a\nb", False)
+    assert not ruler.stops(" :\n\n- ", True) and ruler.stops(" :\n\n- x\n", True)  # a line with a letter or digit
 
 
 @pytest.mark.parametrize("module", [ruler_tasks, ruler])

@@ -16,13 +16,14 @@ A ratio r removes that fraction of what the cache reads: `round((1 - r) * n)` to
 layer and KV head for n tokens read (`budget_at`). The full cache reads each context once
 and serves both protocols (nothing is evicted, so both read the same tokens in order).
 
-Decoding stops early at the end-of-sequence token, at the end of the answer (its line
-where RULER's format puts it on one line: the needles with one answer, and vt and cwe,
-whose worked examples answer on one line; a blank line for the lists a model may write one
-item a line: multivalue, multiquery, fwe), or once every reference is in the text (RULER's
+Decoding stops early at the end-of-sequence token, at the end of a one-line answer (the
+newline after its first letter or digit: the needles with one answer, and vt and cwe,
+whose worked examples answer on one line; never for the lists a model may write one item
+a line: multivalue, multiquery, fwe), or once every reference is in the text (RULER's
 scores only look for them, so more text cannot change the score).
 """
 
+import re
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -59,14 +60,15 @@ def split(sample: Sample, protocol: str) -> Tuple[List[int], List[int]]:
     raise ValueError(f"protocol {protocol!r} is invalid: expected 'aware' or 'agnostic'")
 
 
-def stops(text: str, lines: int) -> bool:
-    """The answer has ended: after its first non-blank character, a newline (`lines` 1) or a
-    blank line (`lines` 2).
+def stops(text: str, one_line: bool) -> bool:
+    """A one-line answer has ended: a newline after its first letter or digit (a list may
+    span lines: never).
 
-    >>> stops(" 4721049.", 1), stops("\\n4721049.\\n", 1), stops("1. a\\n2. b", 2), stops("1. a\\n\\n", 2)
-    (False, True, False, True)
+    >>> stops(" 4721049.", True), stops(":\\n 4721049.\\n", True), stops(":\\n 4721049.", True), stops("a\\n", False)
+    (False, True, False, False)
     """
-    return "\n" * lines in text.lstrip()
+    start = re.search(r"[^\W_]", text)
+    return one_line and start is not None and "\n" in text[start.start():]
 
 
 def respond(model, tokenizer, ask: Sequence[int], cache: list, sample: Sample) -> Tuple[str, int]:
@@ -80,7 +82,7 @@ def respond(model, tokenizer, ask: Sequence[int], cache: list, sample: Sample) -
             break
         out.append(int(token))
         text = tokenizer.decode(out)
-        if stops(text, sample.lines) or found_all(text, sample.answers):
+        if stops(text, sample.one_line) or found_all(text, sample.answers):
             break
     return postprocess(text), len(out)
 

@@ -91,8 +91,8 @@ class Task(NamedTuple):
     num_v: int = 1
     num_q: int = 1
     tokens_to_generate: int = 128
-    lines: int = 1  # 1: the answer ends with its line (RULER's worked examples answer on one line); 2: at a
-    # blank line (lists the model may write one item a line: fwe, multivalue, multiquery)
+    one_line: bool = True  # the answer ends with its line (one answer, or RULER's worked examples answer on
+    # one line); False: lists a model may write one item a line (fwe, multivalue, multiquery)
 
 
 TASKS: Dict[str, Task] = {
@@ -102,11 +102,11 @@ TASKS: Dict[str, Task] = {
     "niah_multikey_1": Task("niah", "essay", num_k=4),
     "niah_multikey_2": Task("niah", "needle"),
     "niah_multikey_3": Task("niah", "needle", type_k="uuids", type_v="uuids"),
-    "niah_multivalue": Task("niah", "essay", num_v=4, lines=2),
-    "niah_multiquery": Task("niah", "essay", num_q=4, num_k=4, lines=2),
+    "niah_multivalue": Task("niah", "essay", num_v=4, one_line=False),
+    "niah_multiquery": Task("niah", "essay", num_q=4, num_k=4, one_line=False),
     "vt": Task("vt", "noise", num_v=5, tokens_to_generate=30),
     "cwe": Task("cwe", tokens_to_generate=120),
-    "fwe": Task("fwe", tokens_to_generate=50, lines=2),
+    "fwe": Task("fwe", tokens_to_generate=50, one_line=False),
 }
 
 
@@ -123,7 +123,7 @@ class Sample(NamedTuple):
     question: List[int]
     answers: List[str]
     max_tokens: int
-    lines: int
+    one_line: bool
     text: str
 
     @property
@@ -496,4 +496,4 @@ def generate(tokenizer, task: str, length: int, index: int = 0, haystack: Option
     context, question, answers = texts(n)
     return Sample(task, where, length, index, tokenizer.encode(context),
                   tokenizer.encode(question, add_special_tokens=False), list(answers), spec.tokens_to_generate,
-                  spec.lines, context + question)
+                  spec.one_line, context + question)
