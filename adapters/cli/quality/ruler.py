@@ -134,6 +134,9 @@ def _cell(run: Run, methods: dict, length: int, haystack: Optional[str], task: s
                 start = time.perf_counter()
                 caches = method.compress_many(model, read, [b for _, _, b in settings])
                 seconds = (time.perf_counter() - start) / len(settings)
+                if len(caches) != len(settings):
+                    raise ValueError(f"method {name!r} returned {len(caches)} caches for {len(settings)} "
+                                     "budgets: expected one per budget, in order")
                 for (kind, value, budget), cache in zip(settings, caches):
                     pred, _ = respond(model, tokenizer, ask, cache, s)
                     results.setdefault((protocol, name, kind, value), []).append(
