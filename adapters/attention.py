@@ -21,7 +21,8 @@ they do, never by their class:
   mlx-lm's fused attention is faster than an explicit one, so the hook falls through and
   the cache scores the key itself (as it does with attention sinks);
 - a cache with an `attention_mask(N, mask)` method may replace the mask mlx-lm built
-  once per forward pass from layer 0 (layers whose kept rows differ from layer 0's);
+  once per forward pass from layer 0 (layers whose kept rows differ from layer 0's), also
+  by a mask per KV head `[B, H, 1, N, L]` (heads holding reserved slots);
 - every other cache falls through to the original function untouched.
 
 `query_scoring(model)` installs it for a `with` block and always removes it;
@@ -136,10 +137,23 @@ def _attend(shape, dtype, logits, values, mask, sinks, bits, group_size):
 
 
 def _by_kv_head(mask: mx.array, H: int, rep: int) -> mx.array:
-    """A mask broadcastable to `[B, Hq, N, L]` -> broadcastable to `[B, H, rep, N, L]`."""
+    """A mask broadcastable to `[B, Hq, N, L]` -> broadcastable to `[B, H, rep, N, L]`. A 5-D
+    mask is already per KV head (`[B, H, 1, N, L]`: a cache whose heads hold reserved slots)."""
+    if mask.ndim == 5:
+        return mask
     if mask.ndim >= 3 and mask.shape[-3] == H * rep and H * rep > 1:
         return mask.reshape(*mask.shape[:-3], H, rep, *mask.shape[-2:])
     return mx.expand_dims(mask, -3) if mask.ndim >= 3 else mask
+
+
+def for_queries(mask, Hq: int, quantized: bool = False):
+    """A mask as mlx-lm's attention takes it: a per-KV-head mask `[B, H, 1, N, L]` becomes
+    `[B, Hq, N, L]` (query head q reads KV head q // (Hq / H)), or `[B, H, N, L]` for its
+    quantized attention (which groups the query heads by KV head itself); any other mask
+    is returned as it is."""
+    if isinstance(mask, mx.array) and mask.ndim == 5:
+        return mask[:, :, 0] if quantized else mx.repeat(mask[:, :, 0], Hq // mask.shape[1], axis=1)
+    return mask
 
 
 def _last_rows(mask, M: int):
@@ -183,7 +197,8 @@ def _hook(original, reduce: str):
             N = queries.shape[2]
             M = cache.scored_queries(N) if hasattr(cache, "scored_queries") else N
             if M < N:  # mlx-lm's attention for the output, explicit weights of the M that score
-                out = original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+                out = original(queries, keys, values, cache=cache, scale=scale,
+                               mask=for_queries(mask, queries.shape[1], bits is not None), sinks=sinks)
                 weights = attention_with_weights(queries[:, :, N - M :], k, v, scale, _last_rows(mask, M), sinks,
                                                  bits, group)[1]
             else:
@@ -191,7 +206,8 @@ def _hook(original, reduce: str):
             how = getattr(cache, "weights_reduce", reduce)  # "none": every query head's weights
             cache.receive_weights(weights if how == "none" else per_kv_head(weights, cache.kv_heads, how))
             return out
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        return original(queries, keys, values, cache=cache, scale=scale,
+                        mask=for_queries(mask, queries.shape[1], hasattr(cache, "bits")), sinks=sinks)
 
     scaled_dot_product_attention.h2o_original = original
     scaled_dot_product_attention.h2o_reduce = reduce

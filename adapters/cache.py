@@ -34,7 +34,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import _BaseCache
 
-from h2o_fn import H2OConfig, H2OState, Policy, Prompt, Storage, state_nbytes, view
+from h2o_fn import H2OConfig, H2OState, Policy, Prompt, Storage, budgets, state_nbytes, view
 from h2o_fn.metal_ops import protected_argmin
 
 from . import cache_state, staging
@@ -139,8 +139,13 @@ class HookProtocol(_BaseCache):
 
     def attention_mask(self, N: int, mask):
         """The mask this layer needs: mlx-lm builds one per forward pass from layer 0's
-        cache; a layer that keeps a different number of rows (per-layer budgets) gets its own."""
-        if isinstance(mask, mx.array) and mask.shape[-1] != self._s.span + N - 1:
+        cache; a layer that keeps a different number of rows (per-layer budgets) gets its own,
+        and a layer whose heads hold reserved slots (budgets across heads) one per KV head,
+        `[B, H, 1, N, L]` (the hook hands it to mlx-lm's attention as `[B, Hq, N, L]`)."""
+        if self._s.head_mask is not None:
+            self._masked = True
+            return self._s.head_mask
+        if isinstance(mask, mx.array) and (mask.ndim == 5 or mask.shape[-1] != self._s.span + N - 1):
             return self.make_mask(N, return_array=True)
         return mask
 
@@ -172,6 +177,7 @@ class H2OKVCache(HookProtocol):
         self.policy = cache_policy(config, argmin, prompt, kv_bits, kv_group_size, budget=budget)
         self._s = _starting(state, evict_every)
         self._view = None  # what the last update returned (for layers that share this KV)
+        self._masked = True  # the last view's per-head mask was taken (heads with reserved slots)
 
     config = property(lambda self: self.policy.config)
     argmin = property(lambda self: self.policy.argmin)
@@ -186,7 +192,14 @@ class H2OKVCache(HookProtocol):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Store `[B, H, N, D]`; return the view `[B, H, span + N - 1, D]` (`cache_state.update`)."""
+        if not self._masked:
+            raise RuntimeError(
+                "this H2O cache's heads hold budgets of their own (reserved slots, after cache_prompt's "
+                "selection), so its attention needs a mask per KV head, which only the attention hook "
+                "applies: the last forward pass ran without it. Install it with "
+                "h2o_fn.adapters.attention.install_query_hook(model) (make_h2o_cache does)")
         self._s, self._view = cache_state.update(self._s, self.policy, keys, values)
+        self._masked = self._s.head_mask is None
         return self._view
 
     def keys_and_values(self):
@@ -270,7 +283,7 @@ class H2OKVCache(HookProtocol):
         """One batch cache from per-prompt caches (mlx-lm's batch generator): their batch
         rows are stacked as they are, no padding (each keeps its own length)."""
         policy = _one_policy(caches)
-        state = cache_state.stack([c.settled("merge") for c in caches], policy)
+        state = cache_state.stack([c.settled("merge") for c in caches], policy, [c.config.budget for c in caches])
         return _of(BatchH2OKVCache, policy, state)
 
     # ------------------------------------------------------------ what H2O adds
@@ -318,7 +331,42 @@ class H2OKVCache(HookProtocol):
                                             scores, span)
         self._view = None
 
-    tokens_kept = property(lambda self: max(self._s.lengths, default=0), doc="Tokens kept (the longest row).")
+    def select_inputs(self, keys: mx.array, values: mx.array, scores: mx.array, span: int):
+        """This layer's part of a selection across layers (`cache_prompt`): `(scores, positions)`
+        `[B, H, C + N]` of its kept tokens then the chunk `[B, H, N, D]`, from a scoring pass's
+        `scores` `[B, H, span + N]` (`cache_state.selection_inputs`)."""
+        self._s, scores, positions = cache_state.selection_inputs(self.settled("select"), self.policy, keys,
+                                                                  values, scores, span)
+        return scores, positions
+
+    def absorb_selected(self, keys: mx.array, values: mx.array, scores: mx.array, keep: mx.array, held: int,
+                        budget: int) -> None:
+        """The chunk and the kept tokens reduced to `keep` (`select_inputs`' columns, chosen by
+        `h2o_fn.budgets.select` over every layer): every head occupies `held` slots (its tokens,
+        then reserved ones), and the layer's budget becomes `budget` (> held): each head takes
+        budget - held new tokens before the rule evicts within its own share again."""
+        target = self._s.target or self.config.budget
+        self.policy = self.policy._replace(config=self.config._replace(budget=budget))
+        self._s = cache_state.absorb_selected(self._s, self.policy, keys, values, scores, keep, held)
+        self._s = self._s._replace(target=target)
+        self._view = None
+
+    target_budget = property(lambda self: self._s.target or self.config.budget,
+                             doc="Tokens per head a selection across layers spreads (`cache_prompt`): the "
+                                 "budget the cache was built with, also after a selection reshaped it.")
+
+    @property
+    def tokens_kept(self) -> int:
+        """Tokens kept: the longest row (with budgets across heads, the head holding the most)."""
+        if not self._s.reserved or self._s.core is None:
+            return max(self._s.lengths, default=0)
+        return int(mx.max(budgets.tokens(self._read().core)).item())
+
+    @property
+    def tokens_per_head(self) -> List[List[int]]:
+        """Tokens kept per batch row and KV head, `[B][H]` (reads the state: not for a decode loop)."""
+        return [] if self._s.core is None else budgets.tokens(self._read().core).tolist()
+
     tokens_seen = property(lambda self: max(self._s.seen, default=0), doc="Tokens seen (the longest row).")
 
     compression_ratio = property(lambda self: self.tokens_seen / self.tokens_kept if self.tokens_kept else 1.0,
@@ -355,11 +403,14 @@ def _one_policy(caches: Sequence[H2OKVCache]) -> Policy:
             f"cannot batch H2O caches with {strangers}: build every prompt cache with "
             "make_h2o_cache(model, ...), or call use_h2o(model, ...) so that mlx-lm builds them"
         )
-    configs = {(c.config, c.policy.prompt, c.policy.kv, c.evict_every) for c in caches}
+    configs = {(c.config._replace(budget=1 + c.config.n_sink + c.config.grace), c.policy.prompt, c.policy.kv,
+                c.evict_every) for c in caches}
     if len(configs) != 1:
+        given = {(c.config, c.policy.prompt, c.policy.kv, c.evict_every) for c in caches}
         raise ValueError(f"cannot merge H2O caches of different configs (config, prompt, storage, evict_every): "
-                         f"{sorted(map(str, configs))}")
-    return caches[0].policy
+                         f"{sorted(map(str, given))} (only their budgets may differ)")
+    widest = max(caches, key=lambda c: c.config.budget)  # budgets differ only after selections: widen
+    return widest.policy
 
 
 def _of(cls, policy: Policy, state: CacheState) -> H2OKVCache:
@@ -416,11 +467,11 @@ class BatchH2OKVCache(H2OKVCache):
 
     def extend(self, other: "BatchH2OKVCache"):
         """Append the batch rows of `other` (same policy)."""
-        if (other.policy, other.evict_every) != (self.policy, self.evict_every):
-            raise ValueError(f"cannot extend a batch of {self.policy} (evict_every {self.evict_every}) with one "
-                             f"of {other.policy} (evict_every {other.evict_every})")
-        states = [r.settled("extend") for c in (self, other) for r in c.unbatched()]
-        self._s = cache_state.stack(states, self.policy)._replace(followed=self._s.followed)
+        rows = [r for c in (self, other) for r in c.unbatched()]
+        self.policy = _one_policy(rows)  # raises unless only their budgets differ
+        states = [r.settled("extend") for r in rows]
+        self._s = cache_state.stack(states, self.policy, [r.config.budget for r in rows])._replace(
+            followed=self._s.followed)
         self._view = None
 
     def extract(self, idx: int) -> H2OKVCache:

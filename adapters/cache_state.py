@@ -28,7 +28,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from h2o_fn import H2OConfig, H2OState, Policy, Prompt, Storage, core, prefill, retention, scoring, storage, view
+from h2o_fn import H2OConfig, H2OState, Policy, Prompt, Storage, budgets, core, prefill, retention, scoring, storage, view
+from h2o_fn.state import RESERVED
 
 from . import staging
 
@@ -70,6 +71,9 @@ class CacheState(NamedTuple):
     followed: bool = False  # record `last` at each update (a lockstep leader)
     last: Optional[Step] = None  # what the last update started from (when followed)
     every: int = 1  # decode tokens judged at a time (`staging`); the core holds budget + every slots
+    reserved: bool = False  # some head holds reserved slots (a selection's budgets): attention masks per head
+    target: int = 0  # tokens per head a selection spreads over the layers (`cache_prompt`); 0: the config's budget
+    head_mask: Optional[mx.array] = None  # [B, H, 1, N, L] bool: the last view's mask per KV head (when reserved)
 
 
 def slots(s: CacheState, config: H2OConfig) -> int:
@@ -108,8 +112,18 @@ def update(s: CacheState, policy: Policy, keys: mx.array, values: mx.array):
     counts = real or [N] * B
     held = cfg.budget + len(s.staged.keys)
     last = Step(before.core.positions, list(before.seen), counts, span) if s.followed else None
-    return s._replace(seen=tuple(a + n for a, n in zip(s.seen, counts)), span=span, last=last,
+    head_mask = view_head_mask(before, span, N) if s.reserved else None
+    return s._replace(seen=tuple(a + n for a, n in zip(s.seen, counts)), span=span, last=last, head_mask=head_mask,
                       lengths=tuple(min(k + n, held) for k, n in zip(s.lengths, counts))), out
+
+
+def view_head_mask(s: CacheState, span: int, N: int) -> mx.array:
+    """`[B, H, 1, N, span + N - 1]` bool, True = attend: the view's mask (`view.view_mask`: each
+    batch row's slots, then the chunk causally) without the reserved slots of each KV head."""
+    rows = view.view_mask(mx.array(s.lengths, dtype=mx.int32), span, N)[:, :, None]  # [B, 1, 1, N, L]
+    held = s.core.positions[..., :span] != RESERVED  # [B, H, span]
+    held = mx.pad(held, [(0, 0), (0, 0), (0, N - 1)], constant_values=True)[:, :, None, None]
+    return rows & held
 
 
 def _decode(s, policy, keys, values, span, alive):
@@ -308,6 +322,31 @@ def absorb_scored(s: CacheState, policy: Policy, keys: mx.array, values: mx.arra
                       lengths=tuple(min(k + N, budget) for k in s.lengths))
 
 
+def selection_inputs(s: CacheState, policy: Policy, keys: mx.array, values: mx.array, scores: mx.array,
+                     span: int) -> Tuple[CacheState, mx.array, mx.array]:
+    """What `budgets.select` reads of this layer for a chunk `[B, H, N, D]` scored by a
+    prompt-scoring pass over the first `span` slots then the chunk (`scores` `[B, H, span + N]`):
+    (the started state, scores `[B, H, C + N]` in the core's layout, positions `[B, H, C + N]`)."""
+    require_settled(s, "select from a scored chunk")
+    check(s, policy.kv, keys, values)
+    s = _started(s, policy, keys, values)
+    B, H, N = keys.shape[:3]
+    chunk = mx.broadcast_to((s.core.seen[:, None] + mx.arange(N, dtype=mx.int32))[:, None], (B, H, N))
+    return s, retention.chunk_scores(s.core, scores, span), mx.concatenate([s.core.positions, chunk], axis=-1)
+
+
+def absorb_selected(s: CacheState, policy: Policy, keys: mx.array, values: mx.array, scores: mx.array,
+                    keep: mx.array, held: int) -> CacheState:
+    """A chunk `[B, H, N, D]` and the kept tokens reduced to `keep` `[B, H, C + N]` (a selection
+    over every layer, `budgets.select`, on `selection_inputs`' scores): every head then occupies
+    `held` slots (its tokens, then reserved ones) of `policy`'s budget + every; the policy's
+    budget must exceed `held` (the tokens every head takes before the next eviction)."""
+    N = keys.shape[2]
+    state = budgets.absorb_selected(s.core, keys, values, scores, keep, held, slots(s, policy.config), policy.kv)
+    return s._replace(core=state, seen=tuple(a + N for a in s.seen), lengths=(held,) * len(s.seen), reserved=True,
+                      head_mask=None)
+
+
 def kept_rows(s: CacheState, kv: Storage) -> tuple:
     """`(keys, values)` `[B, H, K, D]`: the first K = max length slots of each store, dense
     (dequantized when `kv.bits`). After `view.compact` they are the kept tokens by position."""
@@ -327,9 +366,13 @@ def take_batch(s: CacheState, idx: Sequence[int]) -> CacheState:
                       to_come=None if s.to_come is None else tuple(s.to_come[i] for i in idx))
 
 
-def stack(states: Sequence[CacheState], policy: Policy) -> CacheState:
+def stack(states: Sequence[CacheState], policy: Policy, budgets_of: Optional[Sequence[int]] = None) -> CacheState:
     """Settled single-prompt states as one batch, batch rows as they are (each keeps its length;
-    an empty one becomes an empty row)."""
+    an empty one becomes an empty row). `budgets_of`: each state's own layer budget, when they
+    differ (caches shaped by different selections): a row below `policy`'s budget is widened
+    by reserved slots (`budgets.widen`), so each keeps what it would keep alone."""
+    if budgets_of is not None:
+        states = [_widened(s, policy.config.budget - b) for s, b in zip(states, budgets_of)]
     every = {s.every for s in states}
     if len(every) != 1:
         raise ValueError(f"cannot stack cache states judging decode tokens {sorted(every)} at a time: "
@@ -344,7 +387,15 @@ def stack(states: Sequence[CacheState], policy: Policy) -> CacheState:
     state = H2OState(storage.stack([c.keys for c in cores]), storage.stack([c.values for c in cores]),
                      *(mx.concatenate([getattr(c, f) for c in cores], axis=0) for f in H2OState._fields[2:]))
     return CacheState(state, tuple(a for s in states for a in (s.seen or (0,))),
-                      tuple(k for s in states for k in (s.lengths or (0,))), every=every)
+                      tuple(k for s in states for k in (s.lengths or (0,))), every=every,
+                      reserved=any(s.reserved for s in states), target=max(s.target for s in states))
+
+
+def _widened(s: CacheState, extra: int) -> CacheState:
+    """A settled `s` with `extra` reserved slots per head (`budgets.widen`)."""
+    if extra == 0 or s.core is None:
+        return s
+    return s._replace(core=budgets.widen(s.core, extra), reserved=True, lengths=tuple(k + extra for k in s.lengths))
 
 
 def to_arrays(s: CacheState) -> tuple:
@@ -361,7 +412,8 @@ def from_arrays(arrays: Sequence, every: int = 1) -> CacheState:
     keys, values = (tuple(x) if isinstance(x, (list, tuple)) else x for x in arrays[:2])
     state = H2OState(keys, values, *arrays[2:6])
     return CacheState(state, tuple(state.seen.tolist()), tuple(state.length.tolist()),
-                      staged=staging.from_arrays(*arrays[6:10]), every=every)
+                      staged=staging.from_arrays(*arrays[6:10]), every=every,
+                      reserved=bool(mx.any(state.positions == RESERVED).item()))
 
 
 def store(s: CacheState, name: str):
@@ -378,16 +430,16 @@ def meta(s: CacheState, policy: Policy) -> str:
     """The config's, the prompt's and the storage's fields (`kv_bits`, `kv_group_size`) and
     `evict_every` as one JSON object (a cache's `meta_state`: the object files held when
     all of them were the config's fields)."""
-    return json.dumps({**policy.fields(), "evict_every": s.every})
+    return json.dumps({**policy.fields(), "evict_every": s.every, **({"target": s.target} if s.target else {})})
 
 
 def from_meta(arrays: Sequence, meta_state: str) -> Tuple[H2OConfig, Prompt, Storage, CacheState]:
     """(config, prompt, storage, state) of a saved cache: `to_arrays`' arrays and `meta`'s JSON."""
     fields = json.loads(meta_state)
-    every = fields.pop("evict_every", 1)
+    every, target = fields.pop("evict_every", 1), fields.pop("target", 0)
     prompt = Prompt(**{f: fields.pop(f) for f in Prompt._fields if f in fields})
     kv = Storage(fields.pop("kv_bits", None), fields.pop("kv_group_size", 64))
-    return H2OConfig(**fields), prompt, kv, from_arrays(arrays, every)
+    return H2OConfig(**fields), prompt, kv, from_arrays(arrays, every)._replace(target=target)
 
 
 def _started(s: CacheState, policy: Policy, keys: mx.array, values: mx.array) -> CacheState:

@@ -120,6 +120,37 @@ def held_tokens(cache) -> int:
     return cache.size() or getattr(cache, "offset", 0)
 
 
+def kept_summary(layers) -> dict:
+    """What H2O layers (one cache list's `H2OKVCache`s) keep, batch row 0: tokens in all, per
+    KV head on average, the least and the most in one head, each layer's budget, and the
+    budget per head the caches were built with (`target`). Reads the states: not for a
+    decode loop.
+
+    Example:
+        >>> from h2o_fn import H2OConfig
+        >>> from h2o_fn.adapters.cache import H2OKVCache
+        >>> import mlx.core as mx
+        >>> c = H2OKVCache(H2OConfig(budget=8, n_sink=1, grace=2, scoring="key"))
+        >>> _ = c.update_and_fetch(mx.zeros((1, 2, 5, 4)), mx.zeros((1, 2, 5, 4)))
+        >>> kept_summary([c])
+        {'total': 10, 'mean': 5.0, 'least': 5, 'most': 5, 'budgets': [8], 'target': 8, 'heads': 2}
+    """
+    per_head = [n for c in layers for n in (c.tokens_per_head[0] if c.tokens_per_head else [])]
+    return {"total": sum(per_head), "mean": sum(per_head) / max(len(per_head), 1), "least": min(per_head, default=0),
+            "most": max(per_head, default=0), "budgets": [c.config.budget for c in layers],
+            "target": layers[0].target_budget if layers else 0, "heads": len(per_head)}
+
+
+def describe_kept(summary: dict) -> str:
+    """One line for `kept_summary`: "16 per layer and KV head" when every head keeps the
+    same, else the mean and the spread (budgets across heads, `cache_prompt`)."""
+    if summary["least"] == summary["most"]:
+        return f"{summary['most']} per layer and KV head"
+    return (f"{summary['mean']:.1f} per layer and KV head on average ({summary['total']} in {summary['heads']} "
+            f"heads, {summary['least']} to {summary['most']} in one head: the budget {summary['target']} spread "
+            "where the scores are)")
+
+
 def greedy(model, prompt_ids: List[int], cache, n: int, prefill_step_size: int = 2048) -> List[int]:
     """The first `n` greedy tokens after the prompt (mlx-lm's `generate_step`)."""
     steps = generate_step(

@@ -34,7 +34,9 @@ import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 
+from h2o_fn import budgets as spread
 from h2o_fn import retention
+from h2o_fn.state import RESERVED
 
 from .attention import query_scoring
 from .cache import H2OKVCache
@@ -42,6 +44,8 @@ from .cache import H2OKVCache
 # what the repeat pass is told before the chunk is read again (KVzip's instruction, shortened)
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
 CHUNK = 512  # prompt tokens read (and scored) per chunk
+BUDGETS = ("global", "uniform")  # how cache_prompt spreads the budget: across layers and heads, or per head
+TAIL = 32  # with budgets="global": new tokens each head takes after the prompt before evicting again
 
 
 def repeat_prefix(tokenizer) -> List[int]:
@@ -60,9 +64,12 @@ class ScoringPass:
     def __init__(self, cache: H2OKVCache):
         self.cache = cache
         cache.compact()
-        self.span = cache.tokens_kept  # the kept rows are the first `span` slots
+        s = cache.layer_state
+        self.span = max(s.lengths, default=0)  # the kept rows (and reserved slots) are the first `span` slots
         self.offset = cache.tokens_seen
         self.kept = cache.kept_rows() if self.span else None
+        # heads of their own budgets (an earlier selection): each head's reserved slots are masked
+        self.held = (s.core.positions[..., : self.span] != RESERVED) if self.span and s.reserved else None
         self.chunk = None  # (keys, values) of pass 1, [B, H, N, D]
         self.scores = None  # [B, H, span + N] after pass 2
         self.wants_weights = False
@@ -85,6 +92,16 @@ class ScoringPass:
         held = self.span + (0 if self.chunk is None else self.chunk[0].shape[2])
         return create_causal_mask(N, offset=held) if return_array else "causal"
 
+    def attention_mask(self, N: int, mask):
+        """Per KV head `[B, H, 1, N, L]` when kept heads hold reserved slots (causal over the
+        rest, as `make_mask`), else mlx-lm's `mask` as it is."""
+        if self.held is None:
+            return mask
+        L = self.span + (0 if self.chunk is None or not self.wants_weights else self.chunk[0].shape[2]) + N
+        causal = mx.arange(L - N, L)[:, None] >= mx.arange(L)[None]  # [N, L]
+        held = mx.pad(self.held, [(0, 0), (0, 0), (0, L - self.span)], constant_values=True)
+        return held[:, :, None, None] & causal
+
     @property
     def kv_heads(self) -> int:
         return self.chunk[0].shape[1]
@@ -100,11 +117,18 @@ class ScoringPass:
         self.wants_weights = False
 
     def absorb(self) -> None:
-        """The chunk into the H2O cache with the scores of the repeat pass."""
+        """The chunk into the H2O cache with the scores of the repeat pass (a uniform budget per head)."""
+        self.cache.absorb_scored(*self.chunk, self._scores(), self.span)
+
+    def select_inputs(self):
+        """This layer's `(scores, positions)` `[B, H, C + N]` for a selection across layers."""
+        return self.cache.select_inputs(*self.chunk, self._scores(), self.span)
+
+    def _scores(self) -> mx.array:
         if self.scores is None:
             raise RuntimeError("the repeat pass never handed its attention weights to this layer: "
                                "its attention does not go through mlx_lm's scaled_dot_product_attention")
-        self.cache.absorb_scored(*self.chunk, self.scores, self.span)
+        return self.scores
 
 
 def _layers(cache: Sequence[Any]) -> List[Any]:
@@ -117,8 +141,27 @@ def _layers(cache: Sequence[Any]) -> List[Any]:
     return list(cache)
 
 
+def select_across(passes: List[ScoringPass], tail: int) -> None:
+    """Each pass's chunk into its cache by one selection over every layer and KV head
+    (`h2o_fn.budgets.select`): the caches' target budgets summed (tokens per head times heads)
+    are kept where the repeat pass's scores are highest, sinks first; then each layer's
+    budget becomes its most kept tokens per head + `tail` (`H2OKVCache.absorb_selected`)."""
+    inputs = [p.select_inputs() for p in passes]
+    B = inputs[0][0].shape[0]
+    total = sum(p.cache.target_budget * p.kv_heads for p in passes)
+    config = passes[0].cache.config
+    keep = spread.select([s for s, _ in inputs], [q for _, q in inputs], mx.full((B,), total, mx.int32),
+                         config.n_sink)
+    held = mx.stack([mx.max(mx.sum(k, axis=-1)) for k in keep]).tolist()
+    for p, (scores, _), k, h in zip(passes, inputs, keep, held):
+        h = max(int(h), 1)
+        c = p.cache.config
+        p.cache.absorb_selected(*p.chunk, scores, k, h, max(h + tail, c.n_sink + c.grace + 1))
+
+
 def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], *,
-                 repeat_prefix: Sequence[int] = (), chunk_size: int = CHUNK) -> List[Any]:
+                 repeat_prefix: Sequence[int] = (), chunk_size: int = CHUNK, budgets: str = "global",
+                 tail: int = TAIL) -> List[Any]:
     """Feed `prompt_ids` into `cache` (from `make_h2o_cache`) scored for questions not yet
     asked: afterwards every H2O layer and head holds at most its budget.
 
@@ -128,6 +171,12 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
       repeat_prefix: token ids read before each chunk's repeat (the instruction, e.g.
         `tokenizer.encode(REPEAT_PROMPT)`); empty: the chunk is simply read again.
       chunk_size: prompt tokens per chunk; peak KV memory is budget + 2 * chunk + prefix.
+      budgets: "global" (default): one selection over every layer and KV head keeps the
+        caches' budgets summed where the scores are (`h2o_fn.budgets`); each layer's budget
+        then becomes its most kept tokens per head + `tail`, and every head keeps its own
+        share. "uniform": every head keeps its own budget (as the caches were built).
+      tail: with "global", the new tokens (a question, an answer, a next turn) every head
+        takes after the prompt before the rule evicts again.
 
     Returns `cache`, for chaining. Costs about two prefills (the repeat pass attends over
     budget + chunk rows and materialises its weights, `[Hq, chunk, budget + 2 chunk]` per layer).
@@ -137,6 +186,10 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
         raise ValueError("prompt_ids is empty: expected at least one token")
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} is invalid: expected >= 1")
+    if budgets not in BUDGETS:
+        raise ValueError(f"budgets={budgets!r} is invalid: expected one of {BUDGETS}")
+    if tail < 1:
+        raise ValueError(f"tail={tail} is invalid: expected >= 1 (slots for the tokens after the prompt)")
     layers = _layers(cache)
     prefix = [int(t) for t in repeat_prefix]
     with query_scoring(model):
@@ -149,7 +202,10 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
             scratch = [p if isinstance(p, ScoringPass) else copy.deepcopy(p) for p in probes]
             model(mx.array(prefix + chunk)[None], cache=scratch)
             scoring = [p for p in probes if isinstance(p, ScoringPass)]
-            for p in scoring:
-                p.absorb()
+            if budgets == "global":
+                select_across(scoring, tail)
+            else:
+                for p in scoring:
+                    p.absorb()
             mx.eval([c.state for c in layers])
     return cache

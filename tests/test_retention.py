@@ -156,7 +156,7 @@ def test_a_prompt_within_budget_gives_the_full_cache_logits(arch):
 def test_a_long_prompt_is_held_to_budget_in_every_layer(llama, chunk):
     cfg = H2OConfig(budget=12, n_sink=1, grace=2)
     cache = make_h2o_cache(llama, cfg, prompt=Prompt(pool=3))
-    assert cache_prompt(llama, PROMPT, cache, chunk_size=chunk) is cache
+    assert cache_prompt(llama, PROMPT, cache, chunk_size=chunk, budgets="uniform") is cache
     for c in cache:
         assert c.tokens_seen == len(PROMPT) and c.tokens_kept == cfg.budget
         assert_invariants(c.core_state, cfg)
@@ -164,6 +164,77 @@ def test_a_long_prompt_is_held_to_budget_in_every_layer(llama, chunk):
         assert kept.max() == len(PROMPT) - 1 and 0 in kept[0, 0]  # the sink and the grace window
     logits = _next_logits(llama, cache, [5, 6])  # and the cache decodes on
     assert logits.shape == (1, 101) and all(c.tokens_kept == cfg.budget for c in cache)
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_a_long_prompt_keeps_the_total_budget_where_the_scores_are(llama, chunk):
+    """budgets="global": the budget summed over layers and heads is kept, spread by one
+    selection; each head keeps its own share (sinks always), each layer's budget is its
+    most kept tokens per head + tail, and the cache decodes on: the tail's tokens are
+    taken without evicting the prompt's."""
+    cfg, tail = H2OConfig(budget=12, n_sink=1, grace=2), 4
+    cache = make_h2o_cache(llama, cfg)
+    cache_prompt(llama, PROMPT, cache, chunk_size=chunk, tail=tail)
+    per_head = [c.tokens_per_head[0] for c in cache]
+    assert sum(map(sum, per_head)) == cfg.budget * cache[0].kv_heads * len(cache)
+    for c, heads in zip(cache, per_head):
+        assert c.config.budget == max(heads) + tail and c.target_budget == cfg.budget
+        assert_invariants(c.core_state, c.config, selected=len(PROMPT))
+        assert all(0 in head for head in kept_positions(c.core_state).tolist()[0])  # the sink
+    before = [kept_positions(c.core_state).tolist()[0] for c in cache]
+    _next_logits(llama, cache, [5, 6, 7])
+    for c, heads, kept in zip(cache, per_head, before):
+        assert c.tokens_per_head[0] == [n + 3 for n in heads]  # nothing of the prompt evicted
+        now = kept_positions(c.core_state).tolist()[0]
+        assert all(set(k) - {-1} <= set(n) for k, n in zip(kept, now))
+
+
+def test_reserved_slots_are_never_attended(llama):
+    """After a selection some heads hold reserved slots inside the rows attention reads:
+    garbage written into them changes no logit (each layer's mask per KV head hides them),
+    in a decode step and in a chunk."""
+    cache = make_h2o_cache(llama, H2OConfig(budget=8, n_sink=1, grace=2))
+    cache_prompt(llama, PROMPT, cache, chunk_size=16, tail=4)
+    assert any(int(mx.sum(c.core_state.positions == -2).item()) for c in cache)
+    dirty = copy.deepcopy(cache)
+    for c in dirty:
+        s = c.core_state
+        junk = (s.positions == -2)[..., None]
+        c.keys = mx.where(junk, 1e3, s.keys)
+        c.values = mx.where(junk, -1e3, s.values)
+    for ids in ([5], [6, 7, 8]):
+        assert mx.array_equal(_next_logits(llama, dirty, ids), _next_logits(llama, cache, ids))
+
+
+def test_a_selected_cache_needs_the_hook(llama):
+    cache = make_h2o_cache(llama, H2OConfig(budget=8, n_sink=1, grace=2, scoring="key"))
+    cache_prompt(llama, PROMPT, cache, chunk_size=16)
+    remove_query_hook(llama)
+    _next_logits(llama, cache, [5])  # attended without the masks: the next update says so
+    with pytest.raises(RuntimeError, match="install_query_hook"):
+        _next_logits(llama, cache, [6])
+
+
+def test_caches_of_different_selections_batch_as_they_decode_alone(llama):
+    """Two prompts compressed by their own selections (different budgets per layer) merge
+    into one batch cache (the narrower rows widened by reserved slots) and decode exactly
+    as each does alone."""
+    cfg = H2OConfig(budget=8, n_sink=1, grace=2)
+    a, b = make_h2o_cache(llama, cfg), make_h2o_cache(llama, cfg)
+    cache_prompt(llama, PROMPT, a, chunk_size=16, tail=3)
+    cache_prompt(llama, PROMPT[::-1][:31], b, chunk_size=16, tail=3)
+    assert [c.config.budget for c in a] != [c.config.budget for c in b]
+    batch = [H2OKVCache.merge([x, y]) for x, y in zip(copy.deepcopy(a), copy.deepcopy(b))]
+    for t in range(6):  # past the tail: the rule evicts within each row's own shares
+        got = llama(mx.array([[t + 1], [t + 2]]), cache=batch)[:, -1]
+        want = mx.concatenate([_next_logits(llama, a, [t + 1]), _next_logits(llama, b, [t + 2])])
+        assert mx.allclose(got, want, atol=1e-5, rtol=1e-5), t
+    for i, alone in enumerate((a, b)):
+        row = [c.extract(i) for c in batch]
+        for r, c in zip(row, alone):
+            mine = [p for p in kept_positions(c.core_state).tolist()[0]]
+            theirs = [p for p in kept_positions(r.core_state).tolist()[0]]
+            assert [[p for p in h if p >= 0] for h in mine] == [[p for p in h if p >= 0] for h in theirs]
 
 
 def test_continuing_a_cache_and_copies_per_question(llama):
@@ -210,7 +281,7 @@ def test_to_kvcache_relays_kept_rows_at_consecutive_positions(llama):
     assert mx.allclose(_next_logits(llama, plain, [7]), want, atol=1e-4, rtol=1e-4)
 
     cache = make_h2o_cache(llama, H2OConfig(budget=12, n_sink=1, grace=2))
-    cache_prompt(llama, PROMPT, cache, chunk_size=16)
+    cache_prompt(llama, PROMPT, cache, chunk_size=16, budgets="uniform")
     plain = to_kvcache(llama, cache)
     assert all(c.offset == 12 and c.keys.shape[2] == 12 for c in plain)
     kept = np.array(kept_positions(cache[0].core_state))[0, 1]

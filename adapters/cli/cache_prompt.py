@@ -30,7 +30,8 @@ from h2o_fn import storage
 from ..attention import query_scoring
 from ..export import to_kvcache
 from ..mlx_lm import h2o_caches, make_h2o_cache
-from ..retention import CHUNK, cache_prompt, repeat_prefix
+from ..metrics import describe_kept, kept_summary
+from ..retention import BUDGETS, CHUNK, TAIL, cache_prompt, repeat_prefix
 from . import common
 
 FORMAT = "h2o-fn compressed prompt cache 1"  # metadata["format"]: what generate checks first
@@ -50,6 +51,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk-size", type=int, default=CHUNK,
                         help=f"prompt tokens read and scored per chunk; peak KV memory is about budget + "
                         f"2 x chunk per layer (default {CHUNK})")
+    parser.add_argument("--budgets", choices=BUDGETS, default=BUDGETS[0],
+                        help="global (default): one selection over every layer and KV head keeps --budget x "
+                        "heads x layers tokens where the repeat pass's scores are, so a head that copies from "
+                        "the prompt keeps much and the others little; uniform: --budget in every head")
+    parser.add_argument("--tail", type=int, default=TAIL,
+                        help=f"with --budgets global: tokens each head takes after the prompt (the question, the "
+                        f"answer) before the rule evicts again (default {TAIL})")
     parser.add_argument("--kvcache", action="store_true",
                         help="save mlx-lm's plain KVCache instead (the kept keys re-rotated to consecutive "
                         "positions, h2o_fn.adapters.export): unmodified mlx_lm.generate --prompt-cache-file "
@@ -108,11 +116,19 @@ def main(argv: Optional[List[str]] = None) -> None:
     chat = not args.ignore_chat_template and tokenizer.chat_template is not None
     ids = prompt_ids(tokenizer, prompt, chat, args.system_prompt)
     start = time.perf_counter()
+    spread = args.budgets
+    if args.kvcache and spread == "global":  # a plain KVCache holds one count for every head
+        spread = "uniform"
+        print("--kvcache: every head keeps --budget tokens (plain KVCache rows hold one count per layer): "
+              "--budgets uniform")
+    if args.tail < 1:
+        parser.error(f"--tail {args.tail} is invalid: expected at least 1")
     with query_scoring(model):
         cache = make_h2o_cache(model, config, **options)
-        cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(tokenizer), chunk_size=args.chunk_size)
+        cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(tokenizer), chunk_size=args.chunk_size,
+                     budgets=spread, tail=args.tail)
     seconds = time.perf_counter() - start
-    kept = max(c.tokens_kept for c in h2o_caches(cache))
+    summary = kept_summary(h2o_caches(cache))
     if args.kvcache:
         try:
             cache = to_kvcache(model, cache)
@@ -122,8 +138,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     save_prompt_cache(str(out), cache, metadata(args, tokenizer, policy, chat, len(ids)))
     print(f"h2o-fn cache-prompt: {common.model_name(args.model)}")
     print(f"H2O policy: {common.describe_policy(policy)}")
-    print(f"Prompt: {len(ids)} tokens read in {seconds:.1f} s; kept {kept} per layer and KV head "
-          f"(compression {len(ids) / max(kept, 1):.2f}x)")
+    print(f"Prompt: {len(ids)} tokens read in {seconds:.1f} s; kept {describe_kept(summary)} "
+          f"(compression {len(ids) / max(summary['mean'], 1):.2f}x)")
     full = sum(full_cache_bytes(c) for c in h2o_caches(cache)) if not args.kvcache else None
     layout = "plain KVCache, positions 0..kept-1" if args.kvcache else "H2OKVCache"
     print(f"Saved {out} ({out.stat().st_size / 2**20:.2f} MiB, {layout})")

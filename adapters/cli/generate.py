@@ -31,7 +31,7 @@ from mlx_lm.sample_utils import make_sampler
 from h2o_fn import kept_positions
 
 from ..attention import query_scoring
-from ..metrics import build_prompt, first_divergence, held_tokens, repeated_4grams
+from ..metrics import build_prompt, describe_kept, first_divergence, held_tokens, kept_summary, repeated_4grams
 from ..mlx_lm import DEFAULT_CONFIG, h2o_caches, make_h2o_cache
 from .. import allocation
 from . import baselines, common
@@ -218,6 +218,13 @@ def summary(rows: List[dict], full: dict) -> List[str]:
     return lines + [""] + textwrap.wrap(notes, width=max(len(head), 80))
 
 
+def file_policy(h2o: list):
+    """The policy a file's H2O layers were built with: layer 0's, at the budget per head they
+    were built with (a selection across layers gives each layer a budget of its own)."""
+    policy = h2o[0].policy
+    return policy._replace(config=policy.config._replace(budget=h2o[0].target_budget))
+
+
 def answer_from_file(parser, args) -> None:
     """generate --prompt-cache-file: load the cache, check it fits the model, continue it."""
     from .cache_prompt import load, question_ids
@@ -234,10 +241,10 @@ def answer_from_file(parser, args) -> None:
         seen = max(c.offset for c in cache)
         print(f"h2o-fn generate: {common.model_name(args.model)}")
         if h2o:
-            kept = max(c.tokens_kept for c in h2o)
-            print(f"H2O policy (from the file): {common.describe_policy(h2o[0].policy)}")
-            print(f"Prompt cache {args.prompt_cache_file}: {seen} tokens kept as {kept} per layer and KV head "
-                  f"(budget {h2o[0].config.budget}, compression {seen / max(kept, 1):.2f}x), "
+            summary = kept_summary(h2o)
+            print(f"H2O policy (from the file): {common.describe_policy(file_policy(h2o))}")
+            print(f"Prompt cache {args.prompt_cache_file}: {seen} tokens kept as {describe_kept(summary)} "
+                  f"(budget {summary['target']}, compression {seen / max(summary['mean'], 1):.2f}x), "
                   f"{sum(c.nbytes for c in cache) / 2**20:.2f} MiB of KV")
         else:
             print(f"Prompt cache {args.prompt_cache_file}: {seen} tokens, no H2O layer (mlx-lm's caches)")
@@ -245,7 +252,7 @@ def answer_from_file(parser, args) -> None:
         r = run_one(model, tokenizer, ids, cache, args, "prompt cache", True)
     print("\n" + "=" * 10)
     report(r)
-    policy = h2o[0].policy.fields() if h2o else None
+    policy = file_policy(h2o).fields() if h2o else None
     write_json(args.json, results([r], None, model=args.model, prompt_cache_file=args.prompt_cache_file,
                                   policy=policy, evict_every=h2o[0].evict_every if h2o else None))
 
