@@ -14,6 +14,7 @@ Example:
 """
 
 import math
+import random
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -57,12 +58,38 @@ def corpus_tokens(tokenizer, n: int, text_file=None) -> List[int]:
     return ids[:n]
 
 
-def passkey_prompt(tokenizer, depth: float, n_filler: int, key: str) -> List[int]:
-    """`n_filler` tokens of filler with a pass key hidden at `depth` (0 = start, 1 = end),
-    then the question."""
-    filler = tokenizer.encode(FILLER * (n_filler // 20 + 2))[:n_filler]
+HAYSTACKS = ("noise", "pydoc", "pydoc-inline")  # what hides a pass key (`haystack_tokens`)
+_PYDOC: Dict[int, List[int]] = {}  # tokenizer id -> CPython's pydoc topics, tokenized once
+
+
+def haystack_tokens(tokenizer, n: int, haystack: str, seed: int) -> List[int]:
+    """`n` filler tokens: "noise" is RULER's repeated sentences (every filler token has
+    identical copies: the easy haystack); "pydoc" and "pydoc-inline" are natural text, n
+    tokens of CPython's pydoc topics from an offset drawn with `seed`."""
+    if haystack == "noise":
+        return tokenizer.encode(FILLER * (n // 20 + 2))[:n]
+    if haystack not in HAYSTACKS:
+        raise ValueError(f"haystack={haystack!r} is invalid: expected one of {HAYSTACKS}")
+    if id(tokenizer) not in _PYDOC:
+        from pydoc_data.topics import topics
+
+        text = "\n\n".join(topics[k] for k in sorted(topics))
+        _PYDOC[id(tokenizer)] = tokenizer.encode(text[:400_000], add_special_tokens=False)
+    ids = _PYDOC[id(tokenizer)]
+    if len(ids) < n:
+        raise ValueError(f"n={n} filler tokens is invalid: the pydoc text has {len(ids)}")
+    start = random.Random(seed).randrange(0, len(ids) - n + 1)
+    return ids[start : start + n]
+
+
+def passkey_prompt(tokenizer, depth: float, n_filler: int, key: str, haystack: str = "noise") -> List[int]:
+    """`n_filler` tokens of filler (`haystack_tokens`) with a pass key hidden at `depth`
+    (0 = start, 1 = end), then the question. In "pydoc" the key's sentences stand on a line
+    of their own; in "noise" and "pydoc-inline" they sit in the running text."""
+    filler = haystack_tokens(tokenizer, n_filler, haystack, seed=int(key))
     cut = int(depth * len(filler))
-    needle = tokenizer.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
+    text = f"The pass key is {key}. Remember it. {key} is the pass key."
+    needle = tokenizer.encode(f"\n{text}\n" if haystack == "pydoc" else f" {text} ", add_special_tokens=False)
     return filler[:cut] + needle + filler[cut:] + tokenizer.encode(PASSKEY_QUESTION)
 
 

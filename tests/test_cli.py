@@ -215,6 +215,7 @@ def test_eval_every_section_on_a_model_dir(tiny_dir, tmp_path):
     h2o_fn("eval", "--model", tiny_dir, "--tokens", "40", "--budgets", "24", "--gen-budgets", "24",
            "--gen-tokens", "6", "--prompts", "1", "--passkey-context", "40", "--passkey-budgets", "24",
            "--trials", "1", "--facts-trials", "1", "--peak-context", "48", "--repeat-chunk", "16",
+           "--passkey-haystacks", "noise", "pydoc",
            "--caches", "rotating", "h2o-query", "repeat", "repeat-kvcache", "--map-steps", "4", "--sweep-budget", "24", "--frontier-budgets", "24",
            "--frontier-bits", "none", "4", "--no-openblas", "--out", str(tmp_path))
     results = json.loads((tmp_path / "eval.json").read_text())
@@ -225,8 +226,9 @@ def test_eval_every_section_on_a_model_dir(tiny_dir, tmp_path):
     assert all(r["ppl"] > 1 for r in results["ppl"]["rows"])
     retrieval = results["retrieval"]
     assert len(retrieval["depths"]) >= 5 and retrieval["trials"] == 1
-    assert set(retrieval["protocols"]) == {"aware", "agnostic"}
-    for rows in retrieval["protocols"].values():
+    assert set(retrieval["haystacks"]) == {"noise", "pydoc"}
+    assert all(set(h) == {"aware", "agnostic"} for h in retrieval["haystacks"].values())
+    for rows in (rows for h in retrieval["haystacks"].values() for rows in h.values()):
         assert all(len(r["by_depth"]) == len(retrieval["depths"]) for r in rows)
         assert [r["family"] for r in rows][-2:] == ["repeat", "repeat-kvcache"] and all(r["seconds"] > 0 for r in rows)
     assert [r["asked"] for r in retrieval["facts"]["rows"]] == [4] * len(retrieval["facts"]["rows"])

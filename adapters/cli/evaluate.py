@@ -41,6 +41,7 @@ from typing import Callable, Dict, List, Optional
 from h2o_fn.allocation import POLICIES
 
 from ..attention import query_scoring
+from ..metrics import HAYSTACKS
 from ..retention import CHUNK
 from . import common, plots
 from .quality import agree, frontier, kept_map, mass, passkey, peak, ppl, ruler, sweep
@@ -92,6 +93,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9],
                         help="where the pass key sits in the filler, 0 = start (default 5 depths)")
     parser.add_argument("--trials", type=int, default=3, help="pass keys per depth (default 3)")
+    parser.add_argument("--passkey-haystacks", nargs="+", choices=HAYSTACKS, default=list(HAYSTACKS),
+                        help="what hides the pass key: noise (RULER's repeated sentences), pydoc (CPython's docs, "
+                        "the key on a line of its own), pydoc-inline (the key inside a line) (default all)")
     parser.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS),
                         help="retrieval protocols: the question inside the compressed prompt (aware) or "
                         "asked after it (agnostic) (default both)")

@@ -21,8 +21,10 @@ def retrieval_specs(run: Run) -> List[dict]:
     for b in run.args.passkey_budgets:
         specs.append({"name": f"H2O repeat (cache_prompt, chunk {run.args.repeat_chunk})", "family": "repeat",
                       "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk})
+        specs.append({"name": "H2O repeat, budgets uniform per head", "family": "repeat-uniform",
+                      "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk, "budgets": "uniform"})
         specs.append({"name": "H2O repeat, saved as KVCache (re-rotated)", "family": "repeat-kvcache",
-                      "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk})
+                      "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk, "budgets": "uniform"})
     return [s for s in specs if s["family"] == "full" or s["family"] in run.args.caches]
 
 
@@ -68,17 +70,28 @@ def measure(run: Run) -> dict:
     args, model, tokenizer = run.args, run.model, run.tokenizer
     rng = random.Random(0)
     keys = [str(rng.randint(10000, 99999)) for _ in range(args.trials)]
-    cases = [(d, k, passkey_prompt(tokenizer, d, args.passkey_context, k)) for d in args.depths for k in keys]
     prefix = repeat_prefix(tokenizer)
     specs = retrieval_specs(run)
-    prefill(model, cases[0][2], make_prompt_cache(model))  # warm-up: the first timed prefill is not the slowest
-    protocols = {p: _passkey_rows(run, specs, p, cases, prefix) for p in args.protocols}
+    haystacks, context = {}, 0
+    for haystack in args.passkey_haystacks:
+        cases = [(d, k, passkey_prompt(tokenizer, d, args.passkey_context, k, haystack))
+                 for d in args.depths for k in keys]
+        if not haystacks:
+            prefill(model, cases[0][2], make_prompt_cache(model))  # warm-up: the first timed prefill is slowest
+        print(f"haystack {haystack}", flush=True)
+        haystacks[haystack] = {p: _passkey_rows(run, specs, p, cases, prefix) for p in args.protocols}
+        context = len(cases[0][2])
     full = [s for s in specs if s["family"] == "full"]
     facts = _facts_rows(run, full + [s for s in specs if s["budget"] == max(args.passkey_budgets)], prefix)
-    return {"command": run.command, "context": len(cases[0][2]), "depths": args.depths, "trials": args.trials,
-            "protocols": protocols, "facts": facts}
+    return {"command": run.command, "context": context, "depths": args.depths, "trials": args.trials,
+            "haystacks": haystacks, "facts": facts}
 
 
+HAYSTACK_TITLES = {
+    "noise": "RULER's repeated sentences",
+    "pydoc": "CPython's pydoc text, the key on a line of its own",
+    "pydoc-inline": "CPython's pydoc text, the key inside a line",
+}
 PROTOCOL_TITLES = {
     "aware": "query-aware (the question inside the compressed prompt)",
     "agnostic": "query-agnostic (the context compressed first, then the question)",
@@ -92,14 +105,16 @@ def _per_cache(title: str, column: str, rows: List[dict], value: Callable[[dict]
 
 def render(r: dict) -> List[str]:
     depths = [str(d) for d in r["depths"]]
-    if "protocols" not in r:  # a results file from before the two protocols
+    if "protocols" not in r and "haystacks" not in r:  # a results file from before the two protocols
         r = {**r, "protocols": {"aware": r["rows"]}}
+    if "haystacks" not in r:  # ... and from before the natural-text haystacks
+        r = {**r, "haystacks": {"noise": r["protocols"]}}
     out = []
-    for protocol, rows in r["protocols"].items():
+    for haystack, protocol, rows in ((h, p, rows) for h, ps in r["haystacks"].items() for p, rows in ps.items()):
         full = next(row["seconds"] for row in rows if row["family"] == "full") if "seconds" in rows[0] else None
         out += common.section(
-            f"Pass-key retrieval, {PROTOCOL_TITLES[protocol]}: {r['context']} tokens, depths {r['depths']}, "
-            f"{r['trials']} keys each",
+            f"Pass-key retrieval, {PROTOCOL_TITLES[protocol]}, haystack {haystack} ({HAYSTACK_TITLES[haystack]}): "
+            f"{r['context']} tokens, depths {r['depths']}, {r['trials']} keys each",
             "cache:l | budget:r | accuracy:r | " + " | ".join(f"depth {d}:r" for d in depths)
             + " | reading the prompt, x full prefill:r",
             [(row["name"], row["budget"] or "-", f"{row['accuracy']:.2f}",
