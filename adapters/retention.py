@@ -124,6 +124,16 @@ class ScoringPass:
         """This layer's `(scores, positions)` `[B, H, C + N]` for a selection across layers."""
         return self.cache.select_inputs(*self.chunk, self._scores(), self.span)
 
+    def onto(self, cache: H2OKVCache) -> "ScoringPass":
+        """This pass's chunk and scores for another empty cache of the same layer (another
+        budget): one scoring of a prompt that fits one chunk serves any budget."""
+        if self.span or cache.tokens_seen:
+            raise ValueError(f"onto: the pass scored a chunk after {self.span} kept rows and the cache holds "
+                             f"{cache.tokens_seen} tokens: expected both empty (the chunk is the whole prompt)")
+        other = copy.copy(self)
+        other.cache = cache
+        return other
+
     def _scores(self) -> mx.array:
         if self.scores is None:
             raise RuntimeError("the repeat pass never handed its attention weights to this layer: "
@@ -191,21 +201,30 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
     if tail < 1:
         raise ValueError(f"tail={tail} is invalid: expected >= 1 (slots for the tokens after the prompt)")
     layers = _layers(cache)
-    prefix = [int(t) for t in repeat_prefix]
-    with query_scoring(model):
-        for start in range(0, len(ids), chunk_size):
-            chunk = ids[start : start + chunk_size]
-            probes = [ScoringPass(c) if isinstance(c, H2OKVCache) else c for c in layers]
-            model(mx.array(chunk)[None], cache=probes)
-            mx.eval([p.chunk for p in probes if isinstance(p, ScoringPass)],
-                    [c.state for c in layers if not isinstance(c, H2OKVCache)])
-            scratch = [p if isinstance(p, ScoringPass) else copy.deepcopy(p) for p in probes]
-            model(mx.array(prefix + chunk)[None], cache=scratch)
-            scoring = [p for p in probes if isinstance(p, ScoringPass)]
-            if budgets == "global":
-                select_across(scoring, tail)
-            else:
-                for p in scoring:
-                    p.absorb()
-            mx.eval([c.state for c in layers])
+    for start in range(0, len(ids), chunk_size):
+        scoring = score_chunk(model, ids[start : start + chunk_size], layers, repeat_prefix)
+        if budgets == "global":
+            select_across(scoring, tail)
+        else:
+            for p in scoring:
+                p.absorb()
+        mx.eval([c.state for c in layers])
     return cache
+
+
+def score_chunk(model: nn.Module, chunk: Sequence[int], layers: List[Any],
+                repeat_prefix: Sequence[int] = ()) -> List[ScoringPass]:
+    """`cache_prompt`'s two passes over one chunk: the layers that are not H2O take it as
+    usual; each H2O layer's `ScoringPass` holds the chunk's keys and values and the repeat
+    pass's scores, nothing absorbed yet (`ScoringPass.absorb`, or `select_across` for
+    all of them at once). The caches `layers` must come from one `make_h2o_cache` list."""
+    prefix = [int(t) for t in repeat_prefix]
+    chunk = [int(t) for t in chunk]
+    with query_scoring(model):
+        probes = [ScoringPass(c) if isinstance(c, H2OKVCache) else c for c in layers]
+        model(mx.array(chunk)[None], cache=probes)
+        mx.eval([p.chunk for p in probes if isinstance(p, ScoringPass)],
+                [c.state for c in layers if not isinstance(c, H2OKVCache)])
+        scratch = [p if isinstance(p, ScoringPass) else copy.deepcopy(p) for p in probes]
+        model(mx.array(prefix + chunk)[None], cache=scratch)
+    return [p for p in probes if isinstance(p, ScoringPass)]

@@ -237,6 +237,25 @@ def test_caches_of_different_selections_batch_as_they_decode_alone(llama):
             assert [[p for p in h if p >= 0] for h in mine] == [[p for p in h if p >= 0] for h in theirs]
 
 
+def test_one_scoring_of_a_one_chunk_prompt_serves_every_budget(llama):
+    """score_chunk once, then select_across onto fresh caches of two budgets: the same caches
+    as cache_prompt at each budget (what eval ruler does for its ratios)."""
+    from h2o_fn.adapters.retention import score_chunk, select_across
+
+    passes = score_chunk(llama, PROMPT, h2o_caches(make_h2o_cache(llama, H2OConfig(budget=8, n_sink=1, grace=2))))
+    for budget in (8, 16):
+        cfg = H2OConfig(budget=budget, n_sink=1, grace=2)
+        want = cache_prompt(llama, PROMPT, make_h2o_cache(llama, cfg), chunk_size=len(PROMPT))
+        got = make_h2o_cache(llama, cfg)
+        select_across([p.onto(c) for p, c in zip(passes, got)], tail=32)
+        for g, w in zip(got, want):
+            assert mx.array_equal(kept_positions(g.core_state), kept_positions(w.core_state))
+            assert g.config == w.config
+        assert mx.array_equal(_next_logits(llama, got, [3]), _next_logits(llama, want, [3]))
+    with pytest.raises(ValueError, match="expected both empty"):
+        passes[0].onto(want[0])
+
+
 def test_continuing_a_cache_and_copies_per_question(llama):
     cfg = H2OConfig(budget=12, n_sink=1, grace=2)
     cache = make_h2o_cache(llama, cfg)
