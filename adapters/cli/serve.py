@@ -468,8 +468,9 @@ class PromptReader:
         """Read the next slice of `reading.head` into its cache; True once all of it is read."""
         done = reading.done[0]
         part = reading.head[done : done + self.slice]
+        # tail: each head takes the generator's tail (the question) after its selection before evicting
         cache_prompt(self.provider.model, part, reading.cache, repeat_prefix=repeat_prefix(self.provider.tokenizer),
-                     chunk_size=self.slice)
+                     chunk_size=self.slice, tail=self.tail)
         reading.done[0] = done + len(part)
         if reading.done[0] < len(reading.head):
             return False
