@@ -150,7 +150,62 @@ class HookProtocol(_BaseCache):
         return mask
 
 
-class H2OKVCache(HookProtocol):
+class PromptAbsorption:
+    """What `cache_prompt` (h2o_fn.adapters.retention) asks of an H2O cache: its kept rows
+    as one block, and a scored chunk absorbed per head (`absorb_scored`) or by one selection
+    across layers and heads (`select_inputs`, then `absorb_selected`)."""
+
+    def kept_rows(self) -> tuple:
+        """`(keys, values)` `[B, H, K, D]` of the kept tokens, dense and sorted by position
+        (`compact` first, which moves rows); K = tokens_kept."""
+        self.compact()
+        return cache_state.kept_rows(self._s, self.policy.kv)
+
+    def compact(self) -> None:
+        """Lay the kept rows out first, sorted by position (`view.compact`); nothing kept
+        or scored changes. `cache_prompt` then reads the kept rows as one block."""
+        s = self.settled("compact")
+        if s.core is not None:
+            self._s = s._replace(core=view.compact(s.core))
+
+    def absorb_scored(self, keys: mx.array, values: mx.array, scores: mx.array, span: int) -> None:
+        """A chunk `[B, H, N, D]` evicted by a prompt-scoring pass's `scores` `[B, H, span + N]`
+        (`cache_prompt`; `cache_state.absorb_scored`)."""
+        self._s = cache_state.absorb_scored(self.settled("absorb a scored chunk"), self.policy, keys, values,
+                                            scores, span)
+        self._view = None
+
+    def select_inputs(self, keys: mx.array, values: mx.array, scores: mx.array, span: int):
+        """This layer's part of a selection across layers (`cache_prompt`): `(scores, positions)`
+        `[B, H, C + N]` of its kept tokens then the chunk `[B, H, N, D]`, from a scoring pass's
+        `scores` `[B, H, span + N]` (`cache_state.selection_inputs`)."""
+        self._s, scores, positions = cache_state.selection_inputs(self.settled("select"), self.policy, keys,
+                                                                  values, scores, span)
+        return scores, positions
+
+    def absorb_selected(self, keys: mx.array, values: mx.array, scores: mx.array, keep: mx.array, held: int,
+                        budget: int) -> None:
+        """The chunk and the kept tokens reduced to `keep` (`select_inputs`' columns, chosen by
+        `h2o_fn.budgets.select` over every layer): every head occupies `held` slots (its tokens,
+        then reserved ones), and the layer's budget becomes `budget` (> held): each head takes
+        budget - held new tokens before the rule evicts within its own share again."""
+        target = self._s.target or self.config.budget
+        self.policy = self.policy._replace(config=self.config._replace(budget=budget))
+        self._s = cache_state.absorb_selected(self._s, self.policy, keys, values, scores, keep, held)
+        self._s = self._s._replace(target=target)
+        self._view = None
+
+    target_budget = property(lambda self: self._s.target or self.config.budget,
+                             doc="Tokens per head a selection across layers spreads (`cache_prompt`): the "
+                                 "budget the cache was built with, also after a selection reshaped it.")
+
+    @property
+    def tokens_per_head(self) -> List[List[int]]:
+        """Tokens kept per batch row and KV head, `[B][H]` (reads the state: not for a decode loop)."""
+        return [] if self._s.core is None else budgets.tokens(self._read().core).tolist()
+
+
+class H2OKVCache(HookProtocol, PromptAbsorption):
     """A fixed-budget KV cache that evicts the lowest-scoring unprotected token.
 
     Args:
@@ -256,7 +311,6 @@ class H2OKVCache(HookProtocol):
         if not self.is_trimmable():
             self.ready("trim")  # raises while weights are pending
             return 0
-            return 0
         self.flush()  # nothing was evicted, so scoring the staged tokens evicts nothing either
         self._s, n = cache_state.trim(self._s, n)
         self._view = None
@@ -311,61 +365,12 @@ class H2OKVCache(HookProtocol):
         self.flush()
         return self._s
 
-    def kept_rows(self) -> tuple:
-        """`(keys, values)` `[B, H, K, D]` of the kept tokens, dense and sorted by position
-        (`compact` first, which moves rows); K = tokens_kept."""
-        self.compact()
-        return cache_state.kept_rows(self._s, self.policy.kv)
-
-    def compact(self) -> None:
-        """Lay the kept rows out first, sorted by position (`view.compact`); nothing kept
-        or scored changes. `cache_prompt` then reads the kept rows as one block."""
-        s = self.settled("compact")
-        if s.core is not None:
-            self._s = s._replace(core=view.compact(s.core))
-
-    def absorb_scored(self, keys: mx.array, values: mx.array, scores: mx.array, span: int) -> None:
-        """A chunk `[B, H, N, D]` evicted by a prompt-scoring pass's `scores` `[B, H, span + N]`
-        (`cache_prompt`; `cache_state.absorb_scored`)."""
-        self._s = cache_state.absorb_scored(self.settled("absorb a scored chunk"), self.policy, keys, values,
-                                            scores, span)
-        self._view = None
-
-    def select_inputs(self, keys: mx.array, values: mx.array, scores: mx.array, span: int):
-        """This layer's part of a selection across layers (`cache_prompt`): `(scores, positions)`
-        `[B, H, C + N]` of its kept tokens then the chunk `[B, H, N, D]`, from a scoring pass's
-        `scores` `[B, H, span + N]` (`cache_state.selection_inputs`)."""
-        self._s, scores, positions = cache_state.selection_inputs(self.settled("select"), self.policy, keys,
-                                                                  values, scores, span)
-        return scores, positions
-
-    def absorb_selected(self, keys: mx.array, values: mx.array, scores: mx.array, keep: mx.array, held: int,
-                        budget: int) -> None:
-        """The chunk and the kept tokens reduced to `keep` (`select_inputs`' columns, chosen by
-        `h2o_fn.budgets.select` over every layer): every head occupies `held` slots (its tokens,
-        then reserved ones), and the layer's budget becomes `budget` (> held): each head takes
-        budget - held new tokens before the rule evicts within its own share again."""
-        target = self._s.target or self.config.budget
-        self.policy = self.policy._replace(config=self.config._replace(budget=budget))
-        self._s = cache_state.absorb_selected(self._s, self.policy, keys, values, scores, keep, held)
-        self._s = self._s._replace(target=target)
-        self._view = None
-
-    target_budget = property(lambda self: self._s.target or self.config.budget,
-                             doc="Tokens per head a selection across layers spreads (`cache_prompt`): the "
-                                 "budget the cache was built with, also after a selection reshaped it.")
-
     @property
     def tokens_kept(self) -> int:
         """Tokens kept: the longest row (with budgets across heads, the head holding the most)."""
         if not self._s.reserved or self._s.core is None:
             return max(self._s.lengths, default=0)
         return int(mx.max(budgets.tokens(self._read().core)).item())
-
-    @property
-    def tokens_per_head(self) -> List[List[int]]:
-        """Tokens kept per batch row and KV head, `[B][H]` (reads the state: not for a decode loop)."""
-        return [] if self._s.core is None else budgets.tokens(self._read().core).tolist()
 
     tokens_seen = property(lambda self: max(self._s.seen, default=0), doc="Tokens seen (the longest row).")
 
