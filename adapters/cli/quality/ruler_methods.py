@@ -30,7 +30,8 @@ Example (a new method in five lines):
 from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 
 from ...mlx_lm import make_h2o_cache
-from ...retention import cache_prompt, repeat_prefix
+from ...cache import H2OKVCache
+from ...retention import TAIL, cache_prompt, repeat_prefix, score_chunk, select_across
 from ..baselines import Baseline, build
 from ..retrieval import prefill
 
@@ -104,17 +105,51 @@ class Full(Method):
         return cache
 
 
-@register("cache_prompt")
-class CachePrompt(Method):
+class _CachePrompt(Scored):
     """The adapter's policy at the budget, read by `cache_prompt` (two passes per chunk: the
-    chunk, then REPEAT_PROMPT and the chunk again, scored by KVzip's rule)."""
+    chunk, then REPEAT_PROMPT and the chunk again, scored by KVzip's rule) with `budgets`
+    spread as `cache_prompt` takes them. A context that fits one chunk is scored once for
+    every budget (`score_chunk`, then `ScoringPass.onto` a fresh cache per budget)."""
+
+    budgets = "global"
+
+    def _cache(self, model, budget):
+        return make_h2o_cache(model, self.run.policy(budget), **self.run.options)
+
+    def scores(self, model, ids):
+        cache = self._cache(model, 2)  # any budget: the passes evict nothing
+        one = len(ids) <= self.run.args.repeat_chunk and all(isinstance(c, H2OKVCache) for c in cache)
+        return ids, score_chunk(model, ids, cache, repeat_prefix(self.run.tokenizer)) if one else None
+
+    def select(self, model, handle, budget):
+        ids, scored = handle  # scored: the ScoringPass of each layer, or None (cache_prompt per budget)
+        cache = self._cache(model, budget)
+        if scored is None:
+            return cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(self.run.tokenizer),
+                                chunk_size=self.run.args.repeat_chunk, budgets=self.budgets)
+        passes = [p.onto(c) for p, c in zip(scored, cache)]
+        if self.budgets == "global":
+            select_across(passes, TAIL)
+        else:
+            for p in passes:
+                p.absorb()
+        return cache
+
+
+@register("cache_prompt")
+class CachePrompt(_CachePrompt):
+    """cache_prompt's default: one selection over every layer and KV head keeps the budget
+    summed where the scores are (`h2o_fn.budgets`)."""
 
     label = "H2O + cache_prompt (repeat pass)"
 
-    def compress(self, model, ids, budget):
-        cache = make_h2o_cache(model, self.run.policy(budget), **self.run.options)
-        return cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(self.run.tokenizer),
-                            chunk_size=self.run.args.repeat_chunk)
+
+@register("cache_prompt-uniform")
+class CachePromptUniform(_CachePrompt):
+    """cache_prompt with `budgets="uniform"`: every KV head keeps the budget."""
+
+    label = "H2O + cache_prompt, uniform per head"
+    budgets = "uniform"
 
 
 @register("h2o")
