@@ -268,7 +268,7 @@ def test_a_conversation_past_the_budget_keeps_at_most_the_budget(server):
     assert max(stored["max_kept_per_layer"]) == BUDGET  # it did evict down to the budget ...
     assert min(stored["max_seen_per_layer"]) > BUDGET  # ... in every layer, having seen more
     assert min(stored["max_seen_per_layer"]) > first["total_tokens"]  # the second turn's cache
-    assert stats["within_budget"] is True
+    assert stats["within_budget"] is True and 0 < stored["max_mean_kept_per_head"] <= BUDGET
     held = stats["held"]
     assert 0 < held["caches"] <= 10 and held["trimmable"] < held["caches"]  # evicted entries: not trimmable
 
@@ -514,6 +514,7 @@ def test_a_long_prompt_is_read_with_the_repeat_pass_and_its_entry_answers_the_ne
         model(mx.array([rest]), cache=cache)  # ... the generator feeds it ...
         assert held(layers) == 18 and all(c.tokens_kept == c.config.budget for c in layers)
         pc.insert_cache("m", doc, cache)  # ... and mlx-lm stores the entry
+        assert pc.stats("m")["stored"]["max_mean_kept_per_head"] == 18  # the budget, plus the tail
         turn = doc + [9] * 20  # the next turn: 20 new tokens
         cache, rest, _ = _read_all(reader, *pc.fetch_nearest_cache("m", turn))
         assert rest == turn[-6:] and reader.prompts_read == 2

@@ -201,12 +201,21 @@ class _Totals:
         self.by_type: Dict[str, int] = {}  # mlx-lm's cache_type of each
         self.kept: List[int] = []
         self.seen: List[int] = []
+        self.per_head = 0.0  # the most tokens kept per KV head, averaged over an entry's layers and heads
 
-    def add(self, kept: List[int], seen: List[int], cache_type: str = "") -> None:
+    def add(self, kept: List[int], seen: List[int], cache_type: str = "", per_head: float = 0.0) -> None:
         self.caches += 1
         self.by_type[cache_type] = self.by_type.get(cache_type, 0) + 1
         self.kept = _max(self.kept, kept)
         self.seen = _max(self.seen, seen)
+        self.per_head = max(self.per_head, per_head)
+
+
+def mean_per_head(layers: List[Any]) -> float:
+    """Tokens kept per KV head, averaged over every H2O layer and head of one cache list: what
+    a budget spread over layers and heads (the repeat pass's reading) holds to on average."""
+    counts = [n for c in layers for row in c.tokens_per_head for n in row]
+    return sum(counts) / len(counts) if counts else 0.0
 
 
 def _max(a: List[int], b: List[int]) -> List[int]:
@@ -326,7 +335,7 @@ class H2OPromptCache(LRUPromptCache):
                          "(budget %s), seen %s; %d bytes", cache_type, len(tokens), len(layers), _span(kept),
                          _span([c.config.budget for c in layers]), _span(seen),
                          sum(c.nbytes for c in prompt_cache))
-                self._totals.setdefault(model, _Totals()).add(kept, seen, cache_type)
+                self._totals.setdefault(model, _Totals()).add(kept, seen, cache_type, mean_per_head(layers))
             if self.store is not None:
                 self._persist(model, tokens, prompt_cache, cache_type, before, persist)
 
@@ -385,7 +394,8 @@ class H2OPromptCache(LRUPromptCache):
             out = {
                 "stored": {"caches": totals.caches, "by_type": dict(totals.by_type),
                            "max_kept_per_layer": list(totals.kept),
-                           "max_seen_per_layer": list(totals.seen)},
+                           "max_seen_per_layer": list(totals.seen),
+                           "max_mean_kept_per_head": round(totals.per_head, 2)},
                 "held": {"caches": len(held), "bytes": sum(e.nbytes for e in held),
                          "trimmable": sum(can_trim_prompt_cache(e.prompt_cache) for e in held),
                          "max_kept_per_layer": now.kept, "max_seen_per_layer": now.seen},
@@ -599,8 +609,11 @@ def server_stats(response_generator) -> dict:
         "budget_per_layer": budgets,
     }
     out.update(response_generator.prompt_cache.stats(model_key))
-    kept = out["stored"]["max_kept_per_layer"]
-    out["within_budget"] = all(k <= b for k, b in zip(kept, budgets)) if kept else None
+    # a long prompt read with the repeat pass spreads the budgets over layers and heads (a layer
+    # may keep more than its budget), and each head then takes the generator's tail
+    tail = response_generator.reader.tail if getattr(response_generator, "reader", None) else 0
+    mean = out["stored"]["max_mean_kept_per_head"]
+    out["within_budget"] = mean <= sum(budgets) / len(budgets) + tail if out["stored"]["caches"] else None
     return out
 
 
