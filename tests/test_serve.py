@@ -952,7 +952,9 @@ def test_a_conversation_continues_after_a_restart_and_bad_files_are_skipped(read
         after = json.loads(text)
         assert after["usage"] == before["usage"], (before["usage"], after["usage"])  # a hit, as before
         assert answer(text) == answer(json.dumps(before))
-        stats = srv.stats()["prompt_cache"]
+        deadline = time.monotonic() + 15  # the answer's entry is stored (and written) after its last token
+        while (stats := srv.stats()["prompt_cache"])["dir"]["writes"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert stats["hits"] == 1 and stats["dir"]["files"] >= 1, stats
         log = srv.log.read_text()
         skipped = re.findall(r"prompt-cache dir: (\S+) skipped: (.*)", log)
@@ -1024,3 +1026,28 @@ def test_prompt_cache_files_are_written_atomically_and_checked_on_load(tmp_path,
     model(mx.array([rest]), cache=cache)
     pc.insert_cache("m", c[2] + [7, 8], cache)  # its continuation is stored: the lent entry's file goes
     assert sorted(len(e.tokens) for e in serve_store.PromptCacheDir(folder, "tiny", policy).load(model)) == [20, 22]
+
+
+def test_an_entry_read_with_the_repeat_pass_loads_after_a_restart(tmp_path):
+    """cache_prompt's selection across layers and heads reshapes each layer's budget and
+    slots; the file still fits the server that wrote it (its layers are compared at the
+    budget they were built with), so the conversation continues after a restart."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from tiny_models import tiny_model
+
+    from h2o_fn.adapters.attention import remove_query_hook
+    from h2o_fn.adapters.mlx_lm import cache_prompt, use_h2o
+
+    model = tiny_model("llama")
+    config = H2OConfig(budget=8, n_sink=1, grace=2)
+    use_h2o(model, config)
+    try:
+        tokens = [(7 * i) % 101 for i in range(1, 41)]
+        cache = cache_prompt(model, tokens, make_prompt_cache(model))
+        assert all(c.config.budget != 8 and c.target_budget == 8 for c in cache)  # reshaped
+        serve_store.PromptCacheDir(tmp_path, "tiny", {"budget": 8}).write(tokens, cache, "assistant")
+        loaded = serve_store.PromptCacheDir(tmp_path, "tiny", {"budget": 8}).load(model)
+        assert [e.tokens for e in loaded] == [tokens]
+        assert [c.tokens_per_head for c in loaded[0].cache] == [c.tokens_per_head for c in cache]
+    finally:
+        remove_query_hook(model)

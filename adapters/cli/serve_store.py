@@ -64,14 +64,18 @@ def digest_of(path: Path) -> str:
 
 def layer_signature(cache: Any) -> Tuple:
     """What a layer's cache must share with the server's to be continued there: its class,
-    and for H2O its policy (`meta_state`) and the dtype and shape `[B, H, C, D]` of its
-    key and value stores; for other caches the dtype and `[B, H, D]` of its keys and values."""
+    and for H2O its policy at the budget it was built with (`target_budget`: a long prompt
+    read with the repeat pass reshapes each layer's budget and slots C) with `evict_every`,
+    and the dtype and `[B, H, D]` of its key and value stores; for other caches the dtype and
+    `[B, H, D]` of its keys and values."""
     name = type(cache).__name__
     if isinstance(cache, H2OKVCache):
         core = cache.core_state
         stores = () if core is None else tuple(
-            (str(storage.dtype_of(x)), tuple(storage.parts(x)[0].shape)) for x in (core.keys, core.values))
-        return name, cache.meta_state, stores
+            (str(storage.dtype_of(x)), tuple(storage.parts(x)[0].shape[:2] + storage.parts(x)[0].shape[3:]))
+            for x in (core.keys, core.values))
+        policy = {**cache.policy.fields(), "budget": cache.target_budget, "evict_every": cache.evict_every}
+        return name, json.dumps(policy, sort_keys=True), stores
     arrays = [a for a in getattr(cache, "state", ())[:2] if isinstance(a, mx.array)]
     return name, tuple((str(a.dtype), a.shape[:2] + a.shape[3:]) for a in arrays if a.ndim == 4)
 
