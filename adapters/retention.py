@@ -151,17 +151,18 @@ def _layers(cache: Sequence[Any]) -> List[Any]:
     return list(cache)
 
 
-def select_across(passes: List[ScoringPass], tail: int) -> None:
+def select_across(passes: List[ScoringPass], tail: int, cap: Optional[int] = None) -> None:
     """Each pass's chunk into its cache by one selection over every layer and KV head
     (`h2o_fn.budgets.select`): the caches' target budgets summed (tokens per head times heads)
     are kept where the repeat pass's scores are highest, sinks first; then each layer's
-    budget becomes its most kept tokens per head + `tail` (`H2OKVCache.absorb_selected`)."""
+    budget becomes its most kept tokens per head + `tail` (`H2OKVCache.absorb_selected`);
+    `cap`: at most that many tokens per head (None: no bound)."""
     inputs = [p.select_inputs() for p in passes]
     B = inputs[0][0].shape[0]
     total = sum(p.cache.target_budget * p.kv_heads for p in passes)
     config = passes[0].cache.config
     keep = spread.select([s for s, _ in inputs], [q for _, q in inputs], mx.full((B,), total, mx.int32),
-                         config.n_sink)
+                         config.n_sink, cap)
     held = mx.stack([mx.max(mx.sum(k, axis=-1)) for k in keep]).tolist()
     for p, (scores, _), k, h in zip(passes, inputs, keep, held):
         h = max(int(h), 1)
@@ -171,7 +172,7 @@ def select_across(passes: List[ScoringPass], tail: int) -> None:
 
 def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], *,
                  repeat_prefix: Sequence[int] = (), chunk_size: int = CHUNK, budgets: str = "global",
-                 tail: int = TAIL) -> List[Any]:
+                 tail: int = TAIL, cap: Optional[int] = None) -> List[Any]:
     """Feed `prompt_ids` into `cache` (from `make_h2o_cache`) scored for questions not yet
     asked: afterwards every H2O layer and head holds at most its budget.
 
@@ -187,6 +188,8 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
         share. "uniform": every head keeps its own budget (as the caches were built).
       tail: with "global", the new tokens (a question, an answer, a next turn) every head
         takes after the prompt before the rule evicts again.
+      cap: with "global", at most this many tokens per head (None: no bound). A layer's
+        slots follow its fullest head, so the cap bounds the bytes a selection can take.
 
     Returns `cache`, for chaining. Costs about two prefills (the repeat pass attends over
     budget + chunk rows and materialises its weights, `[Hq, chunk, budget + 2 chunk]` per layer).
@@ -204,7 +207,7 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
     for start in range(0, len(ids), chunk_size):
         scoring = score_chunk(model, ids[start : start + chunk_size], layers, repeat_prefix)
         if budgets == "global":
-            select_across(scoring, tail)
+            select_across(scoring, tail, cap)
         else:
             for p in scoring:
                 p.absorb()

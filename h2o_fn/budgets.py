@@ -39,7 +39,7 @@ Example:
     ([[[0, 1, 5, -1, -1, -1], [0, 5, -2, -1, -1, -1]]], [[3, 2]])
 """
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -62,7 +62,8 @@ def reserved(state: H2OState) -> mx.array:
     return mx.sum(state.positions == RESERVED, axis=-1).astype(mx.int32)
 
 
-def select(scores: Sequence[mx.array], positions: Sequence[mx.array], total: mx.array, n_sink: int) -> List[mx.array]:
+def select(scores: Sequence[mx.array], positions: Sequence[mx.array], total: mx.array, n_sink: int,
+           cap: Optional[int] = None) -> List[mx.array]:
     """Keep masks `[B, H, M_l]` per layer: each batch row's `total[b]` best tokens over every
     layer and head together.
 
@@ -72,11 +73,16 @@ def select(scores: Sequence[mx.array], positions: Sequence[mx.array], total: mx.
         (free or reserved slots: never kept).
       total: `[B]` (or `[]`) int32, tokens to keep per batch row, summed over layers and heads.
       n_sink: positions < n_sink are kept first (in every layer and head), within `total`.
+      cap: at most this many tokens per head (its own best, in the same order); None: no
+        bound, so one head may keep all it holds. A head's slots follow the layer's fullest
+        head, so `cap` bounds the bytes a selection can take.
 
     The order is the eviction rule's, turned round: the highest (score, position) is kept
     first; among equal (score, position) the earlier layer, then the earlier head. A row
     with fewer tokens than `total` keeps them all.
     """
+    if cap is not None and cap < 1:
+        raise ValueError(f"cap={cap} is invalid: expected None or >= 1 tokens per head")
     if len(scores) != len(positions) or not scores:
         raise ValueError(f"{len(scores)} score arrays and {len(positions)} position arrays are invalid: "
                          "expected one of each per layer, at least one layer")
@@ -88,6 +94,8 @@ def select(scores: Sequence[mx.array], positions: Sequence[mx.array], total: mx.
                              f"the same [B={B}, H, M] in every layer")
         rank = mx.where(p < knob(n_sink), mx.inf, clean_weights(s))
         key = mx.where(p >= 0, _sort_key(rank, p), mx.zeros(p.shape, mx.uint64))  # 0: below any token
+        if cap is not None and cap < s.shape[-1]:  # only each head's best `cap` can be kept
+            key = mx.where(key >= mx.sort(key, axis=-1)[..., -cap:][..., :1], key, mx.zeros_like(key))
         keys.append(key.reshape(B, -1))
         shapes.append(s.shape)
     flat = mx.concatenate(keys, axis=-1)  # [B, sum of H * M_l], layer-major, then head, then slot

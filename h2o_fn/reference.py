@@ -345,10 +345,10 @@ def reserved(state: RefState) -> List[List[int]]:
     return [[state.held_back(b, h) for h in range(len(row))] for b, row in enumerate(state.heads)]
 
 
-def select(scores, positions, total, n_sink: int) -> List[np.ndarray]:
+def select(scores, positions, total, n_sink: int, cap=None) -> List[np.ndarray]:
     """Keep masks `[B, H, M_l]` per layer: per batch row, every (layer, head, slot) holding a
     token ranked by (sink first, score, position, earlier layer, earlier head), best first;
-    the first total[b] are kept."""
+    the first total[b] are kept, skipping a head's tokens after its best `cap`."""
     B = np.asarray(scores[0]).shape[0]
     total = np.broadcast_to(np.asarray(total), (B,))
     out = [np.zeros(np.asarray(s).shape, dtype=bool) for s in scores]
@@ -362,8 +362,13 @@ def select(scores, positions, total, n_sink: int) -> List[np.ndarray]:
                         rank = math.inf if p[b, h, j] < n_sink else clean(float(np.float32(s[b, h, j])))
                         entries.append(((rank, int(p[b, h, j])), (-layer, -h), (layer, h, j)))
         entries.sort(reverse=True)
-        for _, _, (layer, h, j) in entries[: int(total[b])]:
-            out[layer][b, h, j] = True
+        taken: dict = {}
+        for _, _, (layer, h, j) in entries:
+            if sum(taken.values()) == int(total[b]):
+                break
+            if cap is None or taken.get((layer, h), 0) < cap:
+                taken[(layer, h)] = taken.get((layer, h), 0) + 1
+                out[layer][b, h, j] = True
     return out
 
 

@@ -30,15 +30,19 @@ def scored_layers(draw):
 
 
 @settings(max_examples=100)
-@given(scored_layers(), st.integers(0, 4), st.data())
-def test_select_equals_its_reference_twin(layers, n_sink, data):
+@given(scored_layers(), st.integers(0, 4), st.one_of(st.none(), st.integers(1, 6)), st.data())
+def test_select_equals_its_reference_twin(layers, n_sink, cap, data):
     B = layers[0][0].shape[0]
     total = [data.draw(st.integers(1, 40)) for _ in range(B)]
     scores, positions = [s for s, _ in layers], [p for _, p in layers]
-    got = budgets.select([mx.array(s) for s in scores], [mx.array(p) for p in positions], mx.array(total), n_sink)
-    want = ref.select(scores, positions, total, n_sink)
+    got = budgets.select([mx.array(s) for s in scores], [mx.array(p) for p in positions], mx.array(total), n_sink,
+                         cap)
+    want = ref.select(scores, positions, total, n_sink, cap)
     for layer, (g, w) in enumerate(zip(got, want)):
         np.testing.assert_array_equal(np.array(g), w, err_msg=f"layer {layer}, total {total}, n_sink {n_sink}")
+    if cap is not None:  # the promise: no head keeps more than cap; the rest as without a cap
+        assert all(int(np.array(g).sum(axis=-1).max()) <= cap for g in got)
+        return
     for b in range(B):  # the promise: min(total, tokens held) kept, sinks first, never a hole
         held = sum(int((p[b] >= 0).sum()) for p in positions)
         kept = sum(int(np.array(g)[b].sum()) for g in got)
@@ -95,3 +99,16 @@ def test_widen_keeps_every_token_and_the_rule(extra):
         a, b = step(a, k, k, cfg), step(b, k, k, wide)
         assert kept_positions(a).tolist()[0][0][:5] == [p for p in kept_positions(b).tolist()[0][0] if p >= 0][:5]
         assert budgets.reserved(b).tolist() == [[extra, extra]]
+
+
+def test_a_cap_bounds_every_head_and_gives_the_rest_to_the_others():
+    """The same six of 16 with cap=2: layer 1's head 0 keeps its sink and its best token, and
+    the sixth goes to the next best elsewhere: a 0.1 at the latest position, the earlier
+    layer and head first."""
+    positions = mx.broadcast_to(mx.arange(4), (1, 2, 4))
+    low = mx.full((1, 2, 4), 0.1)
+    high = mx.array([[[0.9, 0.8, 0.7, 0.0], [0.1, 0.1, 0.1, 0.1]]])
+    keep = budgets.select([low, high], [positions, positions], mx.array([6]), n_sink=1, cap=2)
+    assert [mx.sum(k, axis=-1).tolist() for k in keep] == [[[2, 1]], [[2, 1]]]
+    with pytest.raises(ValueError, match="cap=0 is invalid"):
+        budgets.select([low], [positions], mx.array([6]), n_sink=1, cap=0)

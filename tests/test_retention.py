@@ -189,6 +189,19 @@ def test_a_long_prompt_keeps_the_total_budget_where_the_scores_are(llama, chunk)
         assert all(set(k) - {-1} <= set(n) for k, n in zip(kept, now))
 
 
+def test_a_cap_bounds_every_head_and_so_every_layers_slots(llama):
+    """cap=: no head keeps more than cap tokens, the total is still kept (the others take
+    the rest), and each layer's budget (its slots per head) is at most cap + tail."""
+    cfg, tail, cap = H2OConfig(budget=12, n_sink=1, grace=2), 4, 14
+    free, capped = make_h2o_cache(llama, cfg), make_h2o_cache(llama, cfg)
+    cache_prompt(llama, PROMPT, free, chunk_size=64, tail=tail)
+    cache_prompt(llama, PROMPT, capped, chunk_size=64, tail=tail, cap=cap)
+    assert max(max(c.tokens_per_head[0]) for c in free) > cap  # the bound matters here
+    assert sum(sum(c.tokens_per_head[0]) for c in capped) == cfg.budget * capped[0].kv_heads * len(capped)
+    assert all(max(c.tokens_per_head[0]) <= cap and c.config.budget <= cap + tail for c in capped)
+    assert sum(c.nbytes for c in capped) < sum(c.nbytes for c in free)
+
+
 def test_reserved_slots_are_never_attended(llama):
     """After a selection some heads hold reserved slots inside the rows attention reads:
     garbage written into them changes no logit (each layer's mask per KV head hides them),
