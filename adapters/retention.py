@@ -170,6 +170,16 @@ def select_across(passes: List[ScoringPass], tail: int, cap: Optional[int] = Non
         p.cache.absorb_selected(*p.chunk, scores, k, h, max(h + tail, c.n_sink + c.grace + 1))
 
 
+def absorb_passes(passes: List[ScoringPass], budgets: str, tail: int, cap: Optional[int] = None) -> None:
+    """Each pass's chunk into its cache as `cache_prompt`'s `budgets` says: one selection
+    across layers and heads ("global", `select_across`) or every head at its budget ("uniform")."""
+    if budgets == "global":
+        select_across(passes, tail, cap)
+    else:
+        for p in passes:
+            p.absorb()
+
+
 def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], *,
                  repeat_prefix: Sequence[int] = (), chunk_size: int = CHUNK, budgets: str = "global",
                  tail: int = TAIL, cap: Optional[int] = None) -> List[Any]:
@@ -205,12 +215,7 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
         raise ValueError(f"tail={tail} is invalid: expected >= 1 (slots for the tokens after the prompt)")
     layers = _layers(cache)
     for start in range(0, len(ids), chunk_size):
-        scoring = score_chunk(model, ids[start : start + chunk_size], layers, repeat_prefix)
-        if budgets == "global":
-            select_across(scoring, tail, cap)
-        else:
-            for p in scoring:
-                p.absorb()
+        absorb_passes(score_chunk(model, ids[start : start + chunk_size], layers, repeat_prefix), budgets, tail, cap)
         mx.eval([c.state for c in layers])
     return cache
 

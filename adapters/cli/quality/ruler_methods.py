@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 
 from ...mlx_lm import make_h2o_cache
 from ...cache import H2OKVCache
-from ...retention import TAIL, cache_prompt, repeat_prefix, score_chunk, select_across
+from ...retention import TAIL, absorb_passes, cache_prompt, repeat_prefix, score_chunk
 from ..baselines import Baseline, build
 from ..retrieval import prefill
 
@@ -127,12 +127,7 @@ class _CachePrompt(Scored):
         if scored is None:
             return cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(self.run.tokenizer),
                                 chunk_size=self.run.args.repeat_chunk, budgets=self.budgets)
-        passes = [p.onto(c) for p, c in zip(scored, cache)]
-        if self.budgets == "global":
-            select_across(passes, TAIL)
-        else:
-            for p in passes:
-                p.absorb()
+        absorb_passes([p.onto(c) for p, c in zip(scored, cache)], self.budgets, TAIL)
         return cache
 
 
