@@ -331,6 +331,17 @@ def test_bench_decode_in_rounds_takes_the_median_round(tiny_dir, tmp_path):
     assert "3 rounds of 2 steps per cache" in (tmp_path / "bench.md").read_text()
 
 
+def test_bench_decode_at_several_budgets_in_one_run(tiny_dir, tmp_path):
+    h2o_fn("bench", "decode", "--model", tiny_dir, "--contexts", "20", "--decode-budgets", "12", "24", "--steps",
+           "2", "--chunk", "16", "--rounds", "2", "--evict-every-rows", "--no-openblas", "--out", str(tmp_path))
+    decode = json.loads((tmp_path / "bench.json").read_text())["decode"]
+    # 12 decodes after the context 20 that exceeds it, 24 after 24 + PAST: both keep evicting
+    assert decode["budgets"] == [12, 24]
+    assert [(r["budget"], r["context"]) for r in decode["rows"]] == [(12, 20)] * 4 + [(24, 24 + bench.PAST)] * 4
+    table = (tmp_path / "bench.md").read_text()
+    assert "| 24 | 424 | H2O key (24) |" in table and "budget 12, 24" in table
+
+
 def test_unknown_command_and_section_are_errors():
     assert "usage" in h2o_fn("nope", expect=2).stderr
     with pytest.raises(SystemExit):

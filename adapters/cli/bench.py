@@ -339,6 +339,17 @@ def caches_at(model, policy, budget: int, kv_bits: Optional[int], group_size: in
     return out
 
 
+PAST = 400  # with several decode budgets, tokens past a budget when no --contexts exceeds it
+
+
+def decode_contexts(contexts: Sequence[int], budget: int, several: bool) -> List[int]:
+    """The contexts one budget decodes after: every one of `contexts`, or with several budgets
+    those longer than the budget (a cache below its budget evicts nothing), else budget + PAST."""
+    if not several:
+        return list(contexts)
+    return [n for n in contexts if n > budget] or [budget + PAST]
+
+
 def bench_decode(model, tokens, contexts, caches: dict, steps, chunk, rounds: int = 1) -> list:
     """Per context: every cache prefilled, then `rounds` rounds that each decode `steps`
     tokens with every cache in turn (the machine's drift then falls on all of them alike);
@@ -418,20 +429,21 @@ def render_update(rows: list) -> List[str]:
 
 
 def render_decode(d: dict) -> List[str]:
-    first = {}  # context -> (full, rotating) rows: the first two rows of each context
+    first = {}  # (budget, context) -> its rows: the first two are full and rotating
     for r in d["rows"]:
-        first.setdefault(r["context"], []).append(r)
+        first.setdefault((r.get("budget", d["budget"]), r["context"]), []).append(r)
+    budgets = ", ".join(map(str, d.get("budgets", [d["budget"]])))
     return common.section(
-        f"Model decode after a context (budget {d['budget']}, prefill chunks of {d['chunk']})",
-        "context:r | cache:l | ms/token:r | tokens/s:r | vs full:r | vs rotating:r | vs rotating, paired:r | "
-        "rounds (ms):r",
+        f"Model decode after a context (budget {budgets}, prefill chunks of {d['chunk']})",
+        "budget:r | context:r | cache:l | ms/token:r | tokens/s:r | vs full:r | vs rotating:r | "
+        "vs rotating, paired:r | rounds (ms):r",
         [
-            (r["context"], r["cache"], f"{r['step_ms']:.1f}", f"{r['tok_s']:.2f}",
-             f"{r['step_ms'] / first[r['context']][0]['step_ms']:.2f}",
-             f"{first[r['context']][1]['step_ms'] / r['step_ms']:.2f}x speed",
-             _paired(first[r["context"]][1].get("rounds_ms", []), r.get("rounds_ms", [])),
+            (b, n, r["cache"], f"{r['step_ms']:.1f}", f"{r['tok_s']:.2f}",
+             f"{r['step_ms'] / first[b, n][0]['step_ms']:.2f}",
+             f"{first[b, n][1]['step_ms'] / r['step_ms']:.2f}x speed",
+             _paired(first[b, n][1].get("rounds_ms", []), r.get("rounds_ms", [])),
              _spread(r.get("rounds_ms", [])))
-            for r in d["rows"]
+            for r in d["rows"] for b, n in [(r.get("budget", d["budget"]), r["context"])]
         ],
         notes=[f"{d.get('rounds', 1)} rounds of {d.get('steps', '?')} steps per cache, every cache in turn "
                "each round; ms/token is the median round; 'paired' is the median over rounds of the "
@@ -485,6 +497,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="timed calls per update row (profile: a quarter)")
     parser.add_argument("--profile-budgets", type=int, nargs="+", default=[512, 4096],
                         help="budgets of profile (default 512 4096)")
+    parser.add_argument("--decode-budgets", type=int, nargs="+", metavar="B",
+                        help="decode: one table row group per budget, in one run (default: --budget); with "
+                        f"several, each decodes after the --contexts longer than it, else after B + {PAST}")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192],
                         help="context lengths before decode (default 1024 4096 8192)")
     parser.add_argument("--steps", type=int, default=32,
@@ -512,7 +527,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error(f"--kv-group-size {args.kv_group_size} does not divide the update section's head_dim 64")
     policy = lambda budget, **changes: common.policy_or_error(parser, args, budget, **changes)
     keyed = lambda budgets: {b: policy(b, scoring="key") for b in budgets}
-    for budget in {*args.budgets, *args.profile_budgets, args.budget}:
+    for budget in {*args.budgets, *args.profile_budgets, args.budget, *(args.decode_budgets or [])}:
         policy(budget)  # a bad combination fails before any work
     argv = list(sys.argv[1:] if argv is None else argv)
     out, header = common.start_run("bench", argv, args)
@@ -524,21 +539,21 @@ def main(argv: Optional[List[str]] = None) -> None:
         results["profile"] = bench_profile(keyed(args.profile_budgets), repeats=max(args.repeats // 4, 6))
     if "decode" in args.what or "prefill" in args.what:
         model, tokenizer = common.load_or_exit("bench", args.model, dequantize=not args.quantized)
-        need = max(args.contexts + [args.prefill_tokens]) + 1
+        need = max(args.contexts + [args.prefill_tokens] + [b + PAST for b in args.decode_budgets or []]) + 1
         tokens = corpus_tokens(tokenizer, need)
         explicit = explicit_attention(model) if args.explicit_baseline else contextlib.nullcontext()
         with explicit, query_scoring(model):  # the hooks live for this command only
             if "decode" in args.what:
-                caches = caches_at(model, policy, args.budget, args.kv_bits, args.kv_group_size,
-                                   args.evict_every_rows, args.explicit_baseline)
-                results["decode"] = {
-                    "budget": args.budget,
-                    "chunk": args.chunk,
-                    "kv_bits": args.kv_bits,
-                    "rounds": args.rounds,
-                    "steps": args.steps,
-                    "rows": bench_decode(model, tokens, args.contexts, caches, args.steps, args.chunk, args.rounds),
-                }
+                budgets, rows = args.decode_budgets or [args.budget], []
+                for budget in budgets:
+                    caches = caches_at(model, policy, budget, args.kv_bits, args.kv_group_size,
+                                       args.evict_every_rows, args.explicit_baseline)
+                    rows += [{"budget": budget, **r} for r in bench_decode(
+                        model, tokens, decode_contexts(args.contexts, budget, len(budgets) > 1), caches,
+                        args.steps, args.chunk, args.rounds)]
+                results["decode"] = {"budget": budgets[0], "budgets": budgets, "chunk": args.chunk,
+                                     "kv_bits": args.kv_bits, "rounds": args.rounds, "steps": args.steps,
+                                     "rows": rows}
             if "prefill" in args.what:
                 results["prefill"] = bench_prefill(model, tokens[: args.prefill_tokens], policy, args.budget,
                                                    args.kv_bits, args.kv_group_size, args.prefill_chunk, 1)
