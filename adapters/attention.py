@@ -17,7 +17,9 @@ they do, never by their class:
 - a cache whose `proxy_queries()` gives rows `[B, H, P, D]` (a key-scored decode token:
   its key as a query) gets, on the CPU, the attention computed explicitly with those
   rows in the same product as the model's queries (the keys are read once for both),
-  and their logits `[B, H, P, L]` handed to `cache.receive_proxy(logits)`. On a GPU
+  and their logits `[B, H, P, L]` handed to `cache.receive_proxy(logits)`; up to
+  FUSED_UP_TO keys mlx-lm's own attention gives the output and the rows' logits are a
+  product of their own (the explicit attention's extra primitives cost more there). On a GPU
   mlx-lm's fused attention is faster than an explicit one, so the hook falls through and
   the cache scores the key itself (as it does with attention sinks);
 - a cache with an `attention_mask(N, mask)` method may replace the mask mlx-lm built
@@ -56,6 +58,9 @@ from h2o_fn import storage
 from h2o_fn.softmax import softmax
 
 NAME = "scaled_dot_product_attention"
+# key-scored decode on the CPU: up to this many keys, mlx's fused attention plus the proxy rows'
+# own product beats one explicit attention over both (BENCHMARKS.md, "Decode at every budget")
+FUSED_UP_TO = 512
 REDUCE = {"mean": mx.mean, "max": mx.max}  # over the query heads sharing a KV head
 
 
@@ -190,6 +195,11 @@ def _hook(original, reduce: str):
         wants, proxy = getattr(cache, "wants_weights", False), _proxy_of(cache, queries, k, sinks)
         if (wants or proxy is not None) and cache.can_take(keys):
             bits, group = getattr(cache, "bits", None), getattr(cache, "group_size", 64)
+            if not wants and storage.parts(k)[0].shape[2] <= FUSED_UP_TO:
+                out = original(queries, keys, values, cache=cache, scale=scale,
+                               mask=for_queries(mask, queries.shape[1], bits is not None), sinks=sinks)
+                cache.receive_proxy(storage.matmul_t(proxy, k, bits, group))
+                return out
             if not wants:
                 out, logits = attention_with_proxy(queries, k, v, scale, mask, proxy, bits, group)
                 cache.receive_proxy(logits)

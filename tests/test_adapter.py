@@ -19,6 +19,7 @@ from mlx_lm.models.cache import (
 )
 
 from h2o_fn import H2OConfig, Prompt, Storage, absorb, assert_invariants, check_invariants, init, kept_positions, step
+from h2o_fn.adapters import attention
 from h2o_fn.adapters.attention import (
     attention_with_weights,
     install_query_hook,
@@ -59,7 +60,8 @@ def test_logits_equal_the_full_cache_when_nothing_is_evicted(arch, scoring, pref
     with query_scoring(model):
         cache = make_h2o_cache(model, H2OConfig(budget=64, n_sink=2, grace=4, scoring=scoring, prefill=prefill))
         h2o = run(model, cache)
-    # explicit float32 attention instead of the fused kernel (key scoring: on decode tokens, the CPU)
+    # explicit float32 attention instead of the fused kernel (key scoring: on decode tokens over more
+    # than FUSED_UP_TO keys, the CPU)
     assert mx.allclose(h2o, full, atol=1e-4, rtol=1e-4)
     if scoring == "key":  # without the hook, mlx-lm's own attention: the same logits
         bare = make_h2o_cache(model, H2OConfig(budget=64, n_sink=2, grace=4, scoring=scoring, prefill=prefill))
@@ -80,11 +82,15 @@ def llama32():
 
 @pytest.mark.parametrize("kv_bits", [None, 8])
 @pytest.mark.parametrize("evict_every", [1, 4])
-def test_key_scoring_in_the_hook_keeps_what_the_core_keeps(llama32, kv_bits, evict_every):
-    """Under the hook (on the CPU) a key-scored decode token's proxy is computed in attention's
-    own product and handed to the cache (a staged token's kept for its chunk); without it the
-    cache scores the key itself at the next update (or flush). Both keep the same tokens with
-    the same scores (to float rounding)."""
+@pytest.mark.parametrize("fused_up_to", [0, attention.FUSED_UP_TO])
+def test_key_scoring_in_the_hook_keeps_what_the_core_keeps(llama32, kv_bits, evict_every, fused_up_to,
+                                                           monkeypatch):
+    """Under the hook (on the CPU) a key-scored decode token's proxy is computed beside
+    attention (in its own product, or up to FUSED_UP_TO keys after mlx-lm's attention) and
+    handed to the cache (a staged token's kept for its chunk); without it the cache scores
+    the key itself at the next update (or flush). All keep the same tokens with the same
+    scores (to float rounding)."""
+    monkeypatch.setattr(attention, "FUSED_UP_TO", fused_up_to)
     cfg = H2OConfig(budget=12, n_sink=2, grace=3, scoring="key")
     hooked = make_h2o_cache(llama32, cfg, kv_bits=kv_bits, kv_group_size=32, evict_every=evict_every)
     run(llama32, hooked)
