@@ -195,20 +195,20 @@ def _hook(original, reduce: str):
         wants, proxy = getattr(cache, "wants_weights", False), _proxy_of(cache, queries, k, sinks)
         if (wants or proxy is not None) and cache.can_take(keys):
             bits, group = getattr(cache, "bits", None), getattr(cache, "group_size", 64)
-            if not wants and storage.parts(k)[0].shape[2] <= FUSED_UP_TO:
-                out = original(queries, keys, values, cache=cache, scale=scale,
-                               mask=for_queries(mask, queries.shape[1], bits is not None), sinks=sinks)
-                cache.receive_proxy(storage.matmul_t(proxy, k, bits, group))
-                return out
+            mlx_lm_attention = lambda: original(queries, keys, values, cache=cache, scale=scale,  # noqa: E731
+                                                mask=for_queries(mask, queries.shape[1], bits is not None),
+                                                sinks=sinks)
             if not wants:
-                out, logits = attention_with_proxy(queries, k, v, scale, mask, proxy, bits, group)
+                if storage.parts(k)[0].shape[2] <= FUSED_UP_TO:
+                    out, logits = mlx_lm_attention(), storage.matmul_t(proxy, k, bits, group)
+                else:
+                    out, logits = attention_with_proxy(queries, k, v, scale, mask, proxy, bits, group)
                 cache.receive_proxy(logits)
                 return out
             N = queries.shape[2]
             M = cache.scored_queries(N) if hasattr(cache, "scored_queries") else N
             if M < N:  # mlx-lm's attention for the output, explicit weights of the M that score
-                out = original(queries, keys, values, cache=cache, scale=scale,
-                               mask=for_queries(mask, queries.shape[1], bits is not None), sinks=sinks)
+                out = mlx_lm_attention()
                 weights = attention_with_weights(queries[:, :, N - M :], k, v, scale, _last_rows(mask, M), sinks,
                                                  bits, group)[1]
             else:

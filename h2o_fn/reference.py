@@ -362,13 +362,15 @@ def select(scores, positions, total, n_sink: int, cap=None) -> List[np.ndarray]:
                         rank = math.inf if p[b, h, j] < n_sink else clean(float(np.float32(s[b, h, j])))
                         entries.append(((rank, int(p[b, h, j])), (-layer, -h), (layer, h, j)))
         entries.sort(reverse=True)
-        taken: dict = {}
+        per_head: dict = {}  # (layer, head) -> tokens kept
+        kept = 0
         for _, _, (layer, h, j) in entries:
-            if sum(taken.values()) == int(total[b]):
+            if kept == int(total[b]):
                 break
-            if cap is None or taken.get((layer, h), 0) < cap:
-                taken[(layer, h)] = taken.get((layer, h), 0) + 1
+            if cap is None or per_head.get((layer, h), 0) < cap:
+                per_head[(layer, h)] = per_head.get((layer, h), 0) + 1
                 out[layer][b, h, j] = True
+                kept += 1
     return out
 
 
