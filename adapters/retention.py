@@ -44,7 +44,10 @@ from .cache import H2OKVCache
 # what the repeat pass is told before the chunk is read again (KVzip's instruction, shortened)
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
 CHUNK = 512  # prompt tokens read (and scored) per chunk
-BUDGETS = ("global", "uniform")  # how cache_prompt spreads the budget: across layers and heads, or per head
+# how cache_prompt spreads the budget: by the share kept, across layers and heads, across each
+# layer's heads, or per head
+BUDGETS = ("auto", "global", "layer", "uniform")
+LAYER_FROM = 0.25  # "auto": per layer once a head's budget is this share of the tokens read (BENCHMARKS)
 TAIL = 32  # with budgets="global": new tokens each head takes after the prompt before evicting again
 
 
@@ -151,18 +154,24 @@ def _layers(cache: Sequence[Any]) -> List[Any]:
     return list(cache)
 
 
-def select_across(passes: List[ScoringPass], tail: int, cap: Optional[int] = None) -> None:
+def select_across(passes: List[ScoringPass], tail: int, cap: Optional[int] = None, per_layer: bool = False) -> None:
     """Each pass's chunk into its cache by one selection over every layer and KV head
     (`h2o_fn.budgets.select`): the caches' target budgets summed (tokens per head times heads)
     are kept where the repeat pass's scores are highest, sinks first; then each layer's
     budget becomes its most kept tokens per head + `tail` (`H2OKVCache.absorb_selected`);
-    `cap`: at most that many tokens per head (None: no bound)."""
+    `cap`: at most that many tokens per head (None: no bound). `per_layer`: one selection
+    per layer instead, over its heads only, of its own budget times its heads."""
     inputs = [p.select_inputs() for p in passes]
     B = inputs[0][0].shape[0]
-    total = sum(p.cache.target_budget * p.kv_heads for p in passes)
     config = passes[0].cache.config
-    keep = spread.select([s for s, _ in inputs], [q for _, q in inputs], mx.full((B,), total, mx.int32),
-                         config.n_sink, cap)
+
+    def chosen(group):
+        total = sum(passes[i].cache.target_budget * passes[i].kv_heads for i in group)
+        return spread.select([inputs[i][0] for i in group], [inputs[i][1] for i in group],
+                             mx.full((B,), total, mx.int32), config.n_sink, cap)
+
+    groups = [[i] for i in range(len(passes))] if per_layer else [list(range(len(passes)))]
+    keep = [k for g in groups for k in chosen(g)]
     held = mx.stack([mx.max(mx.sum(k, axis=-1)) for k in keep]).tolist()
     for p, (scores, _), k, h in zip(passes, inputs, keep, held):
         h = max(int(h), 1)
@@ -172,16 +181,17 @@ def select_across(passes: List[ScoringPass], tail: int, cap: Optional[int] = Non
 
 def absorb_passes(passes: List[ScoringPass], budgets: str, tail: int, cap: Optional[int] = None) -> None:
     """Each pass's chunk into its cache as `cache_prompt`'s `budgets` says: one selection
-    across layers and heads ("global", `select_across`) or every head at its budget ("uniform")."""
-    if budgets == "global":
-        select_across(passes, tail, cap)
+    across layers and heads ("global", `select_across`), across each layer's heads ("layer")
+    or every head at its budget ("uniform")."""
+    if budgets in ("global", "layer"):
+        select_across(passes, tail, cap, per_layer=budgets == "layer")
     else:
         for p in passes:
             p.absorb()
 
 
 def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], *,
-                 repeat_prefix: Sequence[int] = (), chunk_size: int = CHUNK, budgets: str = "global",
+                 repeat_prefix: Sequence[int] = (), chunk_size: int = CHUNK, budgets: str = "auto",
                  tail: int = TAIL, cap: Optional[int] = None) -> List[Any]:
     """Feed `prompt_ids` into `cache` (from `make_h2o_cache`) scored for questions not yet
     asked: afterwards every H2O layer and head holds at most its budget.
@@ -192,11 +202,16 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
       repeat_prefix: token ids read before each chunk's repeat (the instruction, e.g.
         `tokenizer.encode(REPEAT_PROMPT)`); empty: the chunk is simply read again.
       chunk_size: prompt tokens per chunk; peak KV memory is budget + 2 * chunk + prefix.
-      budgets: "global" (default): one selection over every layer and KV head keeps the
-        caches' budgets summed where the scores are (`h2o_fn.budgets`); each layer's budget
-        then becomes its most kept tokens per head + `tail`, and every head keeps its own
-        share. "uniform": every head keeps its own budget (as the caches were built).
-      tail: with "global", the new tokens (a question, an answer, a next turn) every head
+      budgets: "auto" (default): "layer" when each head's budget is at least `LAYER_FROM`
+        of the tokens read (those the cache holds and `prompt_ids`), else "global".
+        "global": one selection over every layer and KV head keeps the caches' budgets
+        summed where the scores are (`h2o_fn.budgets`); each layer's budget then becomes
+        its most kept tokens per head + `tail`, and every head keeps its own share.
+        "layer": one selection per layer, across its heads only (its budget times its
+        heads; kvpress's KVzip `layerwise=True`). "uniform": every head keeps its own
+        budget (as the caches were built). On natural text "global" keeps the key best at
+        8-16% of the prompt kept and "layer" at a third (BENCHMARKS, "Natural text").
+      tail: with "global" or "layer", the new tokens (a question, an answer, a next turn) every head
         takes after the prompt before the rule evicts again.
       cap: with "global", at most this many tokens per head (None: no bound). A layer's
         slots follow its fullest head, so the cap bounds the bytes a selection can take.
@@ -214,10 +229,18 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
     if tail < 1:
         raise ValueError(f"tail={tail} is invalid: expected >= 1 (slots for the tokens after the prompt)")
     layers = _layers(cache)
+    budgets = spread_for(layers, len(ids)) if budgets == "auto" else budgets
     for start in range(0, len(ids), chunk_size):
         absorb_passes(score_chunk(model, ids[start : start + chunk_size], layers, repeat_prefix), budgets, tail, cap)
         mx.eval([c.state for c in layers])
     return cache
+
+
+def spread_for(layers: Sequence[Any], n: int) -> str:
+    """`cache_prompt`'s "auto": "layer" when every H2O layer's budget per head is at least
+    `LAYER_FROM` of the tokens it will have read after `n` more, else "global"."""
+    h2o = [c for c in layers if isinstance(c, H2OKVCache)]
+    return "layer" if all(c.target_budget >= LAYER_FROM * (c.tokens_seen + n) for c in h2o) else "global"
 
 
 def score_chunk(model: nn.Module, chunk: Sequence[int], layers: List[Any],

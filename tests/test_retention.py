@@ -14,6 +14,7 @@ from h2o_fn import reference as ref
 from h2o_fn import retention, view
 from h2o_fn.adapters.attention import remove_query_hook
 from h2o_fn.adapters.mlx_lm import H2OKVCache, cache_prompt, h2o_caches, make_h2o_cache
+from h2o_fn.adapters.retention import LAYER_FROM, spread_for
 
 from helpers import assert_matches
 from tiny_models import tiny_model
@@ -174,7 +175,7 @@ def test_a_long_prompt_keeps_the_total_budget_where_the_scores_are(llama, chunk)
     taken without evicting the prompt's."""
     cfg, tail = H2OConfig(budget=12, n_sink=1, grace=2), 4
     cache = make_h2o_cache(llama, cfg)
-    cache_prompt(llama, PROMPT, cache, chunk_size=chunk, tail=tail)
+    cache_prompt(llama, PROMPT, cache, chunk_size=chunk, tail=tail, budgets="global")
     per_head = [c.tokens_per_head[0] for c in cache]
     assert sum(map(sum, per_head)) == cfg.budget * cache[0].kv_heads * len(cache)
     for c, heads in zip(cache, per_head):
@@ -189,13 +190,44 @@ def test_a_long_prompt_keeps_the_total_budget_where_the_scores_are(llama, chunk)
         assert all(set(k) - {-1} <= set(n) for k, n in zip(kept, now))
 
 
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_budgets_per_layer_keep_each_layers_total_spread_over_its_heads(llama, chunk):
+    """budgets="layer": every layer keeps its budget times its heads, spread over its heads
+    by the scores (heads differ, the layer's sum does not), sinks in every head."""
+    cfg, tail = H2OConfig(budget=12, n_sink=1, grace=2), 4
+    cache = make_h2o_cache(llama, cfg)
+    cache_prompt(llama, PROMPT, cache, chunk_size=chunk, tail=tail, budgets="layer")
+    per_head = [c.tokens_per_head[0] for c in cache]
+    assert all(sum(heads) == cfg.budget * c.kv_heads for c, heads in zip(cache, per_head))
+    assert any(len(set(heads)) > 1 for heads in per_head)  # spread by the scores, not uniform
+    for c, heads in zip(cache, per_head):
+        assert c.config.budget == max(heads) + tail and c.target_budget == cfg.budget
+        assert_invariants(c.core_state, c.config, selected=len(PROMPT))
+        assert all(0 in head for head in kept_positions(c.core_state).tolist()[0])
+    assert _next_logits(llama, cache, [5, 6]).shape == (1, 101)
+
+
+def test_auto_spreads_per_layer_from_a_quarter_of_the_prompt_kept(llama):
+    """budgets="auto" (the default): "layer" while each head's budget is at least LAYER_FROM
+    of the tokens read, counting those the cache already holds; "global" below."""
+    cfg = H2OConfig(budget=12, n_sink=1, grace=2)
+    cache = make_h2o_cache(llama, cfg)
+    edge = int(cfg.budget / LAYER_FROM)
+    assert spread_for(cache, edge) == "layer" and spread_for(cache, edge + 1) == "global"
+    auto, layer = make_h2o_cache(llama, cfg), make_h2o_cache(llama, cfg)
+    cache_prompt(llama, PROMPT, auto, chunk_size=16)
+    cache_prompt(llama, PROMPT, layer, chunk_size=16, budgets="layer")
+    assert [c.tokens_per_head for c in auto] == [c.tokens_per_head for c in layer]
+    assert spread_for(auto, 8) == "layer" and spread_for(auto, 9) == "global"  # the 40 held count too
+
+
 def test_a_cap_bounds_every_head_and_so_every_layers_slots(llama):
     """cap=: no head keeps more than cap tokens, the total is still kept (the others take
     the rest), and each layer's budget (its slots per head) is at most cap + tail."""
     cfg, tail, cap = H2OConfig(budget=12, n_sink=1, grace=2), 4, 14
     free, capped = make_h2o_cache(llama, cfg), make_h2o_cache(llama, cfg)
-    cache_prompt(llama, PROMPT, free, chunk_size=64, tail=tail)
-    cache_prompt(llama, PROMPT, capped, chunk_size=64, tail=tail, cap=cap)
+    cache_prompt(llama, PROMPT, free, chunk_size=64, tail=tail, budgets="global")
+    cache_prompt(llama, PROMPT, capped, chunk_size=64, tail=tail, cap=cap, budgets="global")
     assert max(max(c.tokens_per_head[0]) for c in free) > cap  # the bound matters here
     assert sum(sum(c.tokens_per_head[0]) for c in capped) == cfg.budget * capped[0].kv_heads * len(capped)
     assert all(max(c.tokens_per_head[0]) <= cap and c.config.budget <= cap + tail for c in capped)

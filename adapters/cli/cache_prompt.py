@@ -52,11 +52,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help=f"prompt tokens read and scored per chunk; peak KV memory is about budget + "
                         f"2 x chunk per layer (default {CHUNK})")
     parser.add_argument("--budgets", choices=BUDGETS, default=BUDGETS[0],
-                        help="global (default): one selection over every layer and KV head keeps --budget x "
-                        "heads x layers tokens where the repeat pass's scores are, so a head that copies from "
-                        "the prompt keeps much and the others little; uniform: --budget in every head")
+                        help="auto (default): layer when --budget is at least a quarter of the prompt, else "
+                        "global; global: one selection over every layer and KV head keeps --budget x heads x "
+                        "layers tokens where the repeat pass's scores are, so a head that copies from the prompt "
+                        "keeps much and the others little; layer: --budget x heads per layer, spread over that "
+                        "layer's heads; uniform: --budget in every head")
     parser.add_argument("--tail", type=int, default=TAIL,
-                        help=f"with --budgets global: tokens each head takes after the prompt (the question, the "
+                        help=f"with --budgets global or layer: tokens each head takes after the prompt (the question, the "
                         f"answer) before the rule evicts again (default {TAIL})")
     parser.add_argument("--kvcache", action="store_true",
                         help="save mlx-lm's plain KVCache instead (the kept keys re-rotated to consecutive "
@@ -117,7 +119,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     ids = prompt_ids(tokenizer, prompt, chat, args.system_prompt)
     start = time.perf_counter()
     spread = args.budgets
-    if args.kvcache and spread == "global":  # a plain KVCache holds one count for every head
+    if args.kvcache and spread != "uniform":  # a plain KVCache holds one count for every head
         spread = "uniform"
         print("--kvcache: every head keeps --budget tokens (plain KVCache rows hold one count per layer): "
               "--budgets uniform")

@@ -34,9 +34,9 @@ def prefill(model, ids: Sequence[int], cache: list) -> None:
 def compress(model, spec: dict, ids: Sequence[int], cache: list, repeat_prefix: Sequence[int]) -> float:
     """Read `ids` into `cache` the way the spec's cache reads a prompt; returns seconds."""
     start = time.perf_counter()
-    if spec["family"] in ("repeat", "repeat-uniform", "repeat-kvcache"):
+    if spec["family"] in ("repeat", "repeat-global", "repeat-layer", "repeat-uniform", "repeat-kvcache"):
         cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix, chunk_size=spec["chunk"],
-                     budgets=spec.get("budgets", "global"))
+                     budgets=spec.get("spread", "auto"))
         if spec["family"] == "repeat-kvcache":  # what unmodified mlx-lm would load (cache-prompt --kvcache)
             cache[:] = to_kvcache(model, cache)
     else:

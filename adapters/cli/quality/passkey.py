@@ -22,9 +22,13 @@ def retrieval_specs(run: Run) -> List[dict]:
         specs.append({"name": f"H2O repeat (cache_prompt, chunk {run.args.repeat_chunk})", "family": "repeat",
                       "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk})
         specs.append({"name": "H2O repeat, budgets uniform per head", "family": "repeat-uniform",
-                      "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk, "budgets": "uniform"})
+                      "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk, "spread": "uniform"})
+        specs.append({"name": "H2O repeat, one selection over all layers", "family": "repeat-global",
+                      "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk, "spread": "global"})
+        specs.append({"name": "H2O repeat, budgets per layer", "family": "repeat-layer",
+                      "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk, "spread": "layer"})
         specs.append({"name": "H2O repeat, saved as KVCache (re-rotated)", "family": "repeat-kvcache",
-                      "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk, "budgets": "uniform"})
+                      "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk, "spread": "uniform"})
     return [s for s in specs if s["family"] == "full" or s["family"] in run.args.caches]
 
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 
 from ...mlx_lm import make_h2o_cache
 from ...cache import H2OKVCache
-from ...retention import TAIL, absorb_passes, cache_prompt, repeat_prefix, score_chunk
+from ...retention import TAIL, absorb_passes, cache_prompt, repeat_prefix, score_chunk, spread_for
 from ..baselines import Baseline, build
 from ..retrieval import prefill
 
@@ -111,7 +111,7 @@ class _CachePrompt(Scored):
     spread as `cache_prompt` takes them. A context that fits one chunk is scored once for
     every budget (`score_chunk`, then `ScoringPass.onto` a fresh cache per budget)."""
 
-    budgets = "global"
+    budgets = "auto"
 
     def _cache(self, model, budget):
         return make_h2o_cache(model, self.run.policy(budget), **self.run.options)
@@ -127,16 +127,25 @@ class _CachePrompt(Scored):
         if scored is None:
             return cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(self.run.tokenizer),
                                 chunk_size=self.run.args.repeat_chunk, budgets=self.budgets)
-        absorb_passes([p.onto(c) for p, c in zip(scored, cache)], self.budgets, TAIL)
+        spread = spread_for(cache, len(ids)) if self.budgets == "auto" else self.budgets
+        absorb_passes([p.onto(c) for p, c in zip(scored, cache)], spread, TAIL)
         return cache
 
 
 @register("cache_prompt")
 class CachePrompt(_CachePrompt):
-    """cache_prompt's default: one selection over every layer and KV head keeps the budget
-    summed where the scores are (`h2o_fn.budgets`)."""
+    """cache_prompt's default ("auto"): one selection per layer when the budget is at least
+    a quarter of the context, else one over every layer and KV head (`h2o_fn.budgets`)."""
 
     label = "H2O + cache_prompt (repeat pass)"
+
+
+@register("cache_prompt-global")
+class CachePromptGlobal(_CachePrompt):
+    """cache_prompt with `budgets="global"`: one selection over every layer and KV head."""
+
+    label = "H2O + cache_prompt, global"
+    budgets = "global"
 
 
 @register("cache_prompt-uniform")
@@ -145,6 +154,15 @@ class CachePromptUniform(_CachePrompt):
 
     label = "H2O + cache_prompt, uniform per head"
     budgets = "uniform"
+
+
+@register("cache_prompt-layer")
+class CachePromptLayer(_CachePrompt):
+    """cache_prompt with `budgets="layer"`: each layer keeps its budget times its heads,
+    spread over its own heads (kvpress's KVzip `layerwise=True`)."""
+
+    label = "H2O + cache_prompt, per layer"
+    budgets = "layer"
 
 
 @register("h2o")

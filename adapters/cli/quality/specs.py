@@ -21,7 +21,7 @@ PROMPTS = [
 ]
 
 
-RETRIEVAL_FAMILIES = ("rotating", "h2o-key", "h2o-query", "repeat", "repeat-uniform", "repeat-kvcache")
+RETRIEVAL_FAMILIES = ("rotating", "h2o-key", "h2o-query", "repeat", "repeat-global", "repeat-layer", "repeat-uniform", "repeat-kvcache")
 
 
 class Run:
