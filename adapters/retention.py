@@ -185,9 +185,11 @@ def absorb_passes(passes: List[ScoringPass], budgets: str, tail: int, cap: Optio
     or every head at its budget ("uniform")."""
     if budgets in ("global", "layer"):
         select_across(passes, tail, cap, per_layer=budgets == "layer")
-    else:
+    elif budgets == "uniform":
         for p in passes:
             p.absorb()
+    else:  # "auto" is resolved by the caller, who knows how many tokens are read (`spread_for`)
+        raise ValueError(f"budgets={budgets!r} is invalid here: expected 'global', 'layer' or 'uniform'")
 
 
 def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], *,
