@@ -34,7 +34,7 @@ def prefill(model, ids: Sequence[int], cache: list) -> None:
 def compress(model, spec: dict, ids: Sequence[int], cache: list, repeat_prefix: Sequence[int]) -> float:
     """Read `ids` into `cache` the way the spec's cache reads a prompt; returns seconds."""
     start = time.perf_counter()
-    if spec["family"] in ("repeat", "repeat-global", "repeat-layer", "repeat-uniform", "repeat-kvcache"):
+    if spec["family"].startswith("repeat"):  # cache_prompt's rows (`quality.passkey.retrieval_specs`)
         cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix, chunk_size=spec["chunk"],
                      budgets=spec.get("spread", "auto"))
         if spec["family"] == "repeat-kvcache":  # what unmodified mlx-lm would load (cache-prompt --kvcache)
