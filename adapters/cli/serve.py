@@ -662,6 +662,30 @@ def serve(host: str, port: int, provider: H2OModelProvider, max_prompt_tokens: O
         raise SystemExit(serve_compat.EXIT_CODE)
 
 
+MALLOC_ARENAS = 2  # glibc's default is 8 per core
+
+
+def bound_malloc_arenas(n: int = MALLOC_ARENAS) -> Optional[int]:
+    """Cap glibc's malloc arenas at `n` (mallopt M_ARENA_MAX), unless MALLOC_ARENA_MAX is set.
+
+    mlx_lm.server answers each request on a new thread; glibc gives threads their own
+    arenas, up to 8 per core, and keeps what they freed. On the test server (2 cores)
+    that was 25-33 MiB of RSS, reached in steps at random points of a soak; with 2
+    arenas RSS stays within 1 MiB from the 30th request on, at the same speed
+    (tests/test_serve.py's soak). The cap applied, or None (not glibc, or the user chose).
+    """
+    import ctypes
+    import os
+
+    if os.environ.get("MALLOC_ARENA_MAX"):
+        return None
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    return n if mallopt(-8, n) == 1 else None  # -8: M_ARENA_MAX in glibc's malloc.h
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
@@ -673,6 +697,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error(REFUSED["pipeline"])
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s - %(levelname)s - %(message)s")
+    arenas = bound_malloc_arenas()
+    if arenas:
+        log.info("malloc: at most %d arenas (MALLOC_ARENA_MAX overrides)", arenas)
     if args.model is None:
         from ..gguf import INSTALL_HINT, default_gguf_path
 
