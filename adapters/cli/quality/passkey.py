@@ -15,20 +15,25 @@ from ..retrieval import answer, answers_per_question, prefill
 from .specs import Run, build_cache, cache_specs, describe
 
 
+# cache_prompt's rows: (family, name, spread; None leaves cache_prompt's default, "auto")
+REPEAT_ROWS = (
+    ("repeat", "H2O repeat (cache_prompt, chunk {chunk})", None),
+    ("repeat-uniform", "H2O repeat, budgets uniform per head", "uniform"),
+    ("repeat-global", "H2O repeat, one selection over all layers", "global"),
+    ("repeat-layer", "H2O repeat, budgets per layer", "layer"),
+    ("repeat-kvcache", "H2O repeat, saved as KVCache (re-rotated)", "uniform"),
+)
+
+
 def retrieval_specs(run: Run) -> List[dict]:
     """cache_specs at the retrieval budgets, plus cache_prompt's repeat-pass rows."""
     specs = cache_specs(run, run.args.passkey_budgets, False)
+    chunk = run.args.repeat_chunk
     for b in run.args.passkey_budgets:
-        specs.append({"name": f"H2O repeat (cache_prompt, chunk {run.args.repeat_chunk})", "family": "repeat",
-                      "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk})
-        specs.append({"name": "H2O repeat, budgets uniform per head", "family": "repeat-uniform",
-                      "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk, "spread": "uniform"})
-        specs.append({"name": "H2O repeat, one selection over all layers", "family": "repeat-global",
-                      "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk, "spread": "global"})
-        specs.append({"name": "H2O repeat, budgets per layer", "family": "repeat-layer",
-                      "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk, "spread": "layer"})
-        specs.append({"name": "H2O repeat, saved as KVCache (re-rotated)", "family": "repeat-kvcache",
-                      "budget": b, "config": run.policy(b), "chunk": run.args.repeat_chunk, "spread": "uniform"})
+        for family, name, spread in REPEAT_ROWS:
+            spec = {"name": name.format(chunk=chunk), "family": family, "budget": b, "config": run.policy(b),
+                    "chunk": chunk}
+            specs.append(spec if spread is None else {**spec, "spread": spread})
     return [s for s in specs if s["family"] == "full" or s["family"] in run.args.caches]
 
 
