@@ -13,6 +13,7 @@ fix for exact hits and the flags are checked in process, without a server.
 import http.client
 import json
 import os
+import platform
 import re
 import socket
 import subprocess
@@ -35,6 +36,7 @@ STARTUP_S = 60  # the bundled model loads in ~3 s; a loaded CPU can take far lon
 REQUEST_S = 90  # per HTTP request (socket timeout), so no client thread can hang
 MAX_PROMPT = 200  # the guarded server's --max-prompt-tokens
 SOAK_RSS_MIB = 8  # RSS growth allowed over the soak's last 240 requests
+GLIBC = platform.libc_ver()[0] == "glibc"
 
 try:
     gguf.default_gguf_path()
@@ -730,6 +732,15 @@ def test_a_soak_of_short_requests_keeps_memory_flat(guarded):
     print(f"soak: 300 requests (60 chats) in {time.monotonic() - start:.1f} s, RSS {warm:.0f} -> {end:.0f} MiB")
     assert end - warm < SOAK_RSS_MIB, (warm, end)
     assert guarded.request("GET", "/health")[0] == 200
+    if GLIBC and not os.environ.get("MALLOC_ARENA_MAX"):
+        assert f"malloc: at most {serve.MALLOC_ARENAS} arenas" in guarded.log.read_text()
+
+
+def test_serve_caps_malloc_arenas_unless_the_user_sets_them(monkeypatch):
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert serve.bound_malloc_arenas() is None  # the user's choice stands (glibc read it at start)
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    assert serve.bound_malloc_arenas() == (serve.MALLOC_ARENAS if GLIBC else None)
 
 
 # ---------------------------------------------------------------- the checks and the guards, in process
