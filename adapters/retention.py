@@ -231,16 +231,19 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
     if tail < 1:
         raise ValueError(f"tail={tail} is invalid: expected >= 1 (slots for the tokens after the prompt)")
     layers = _layers(cache)
-    budgets = spread_for(layers, len(ids)) if budgets == "auto" else budgets
+    budgets = spread_for(layers, len(ids), budgets)
     for start in range(0, len(ids), chunk_size):
         absorb_passes(score_chunk(model, ids[start : start + chunk_size], layers, repeat_prefix), budgets, tail, cap)
         mx.eval([c.state for c in layers])
     return cache
 
 
-def spread_for(layers: Sequence[Any], n: int) -> str:
-    """`cache_prompt`'s "auto": "layer" when every H2O layer's budget per head is at least
-    `LAYER_FROM` of the tokens it will have read after `n` more, else "global"."""
+def spread_for(layers: Sequence[Any], n: int, budgets: str = "auto") -> str:
+    """`budgets` as `absorb_passes` takes it: any but "auto" as given; "auto" is "layer" when
+    every H2O layer's budget per head is at least `LAYER_FROM` of the tokens it will have
+    read after `n` more, else "global"."""
+    if budgets != "auto":
+        return budgets
     h2o = [c for c in layers if isinstance(c, H2OKVCache)]
     return "layer" if all(c.target_budget >= LAYER_FROM * (c.tokens_seen + n) for c in h2o) else "global"
 

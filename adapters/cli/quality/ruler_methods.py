@@ -127,8 +127,7 @@ class _CachePrompt(Scored):
         if scored is None:
             return cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(self.run.tokenizer),
                                 chunk_size=self.run.args.repeat_chunk, budgets=self.budgets)
-        spread = spread_for(cache, len(ids)) if self.budgets == "auto" else self.budgets
-        absorb_passes([p.onto(c) for p, c in zip(scored, cache)], spread, TAIL)
+        absorb_passes([p.onto(c) for p, c in zip(scored, cache)], spread_for(cache, len(ids), self.budgets), TAIL)
         return cache
 
 
