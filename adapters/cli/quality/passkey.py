@@ -12,17 +12,7 @@ from ...metrics import PASSKEY_QUESTION, facts_prompt, passkey_prompt
 from ...retention import repeat_prefix
 from .. import common
 from ..retrieval import answer, answers_per_question, prefill
-from .specs import Run, build_cache, cache_specs, describe
-
-
-# cache_prompt's rows: (family, name, spread; None leaves cache_prompt's default, "auto")
-REPEAT_ROWS = (
-    ("repeat", "H2O repeat (cache_prompt, chunk {chunk})", None),
-    ("repeat-uniform", "H2O repeat, budgets uniform per head", "uniform"),
-    ("repeat-global", "H2O repeat, one selection over all layers", "global"),
-    ("repeat-layer", "H2O repeat, budgets per layer", "layer"),
-    ("repeat-kvcache", "H2O repeat, saved as KVCache (re-rotated)", "uniform"),
-)
+from .specs import REPEAT_ROWS, Run, build_cache, cache_specs, describe
 
 
 def retrieval_specs(run: Run) -> List[dict]:

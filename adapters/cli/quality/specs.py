@@ -21,7 +21,15 @@ PROMPTS = [
 ]
 
 
-RETRIEVAL_FAMILIES = ("rotating", "h2o-key", "h2o-query", "repeat", "repeat-global", "repeat-layer", "repeat-uniform", "repeat-kvcache")
+# cache_prompt's retrieval rows: (family, name, spread; None leaves cache_prompt's default, "auto")
+REPEAT_ROWS = (
+    ("repeat", "H2O repeat (cache_prompt, chunk {chunk})", None),
+    ("repeat-global", "H2O repeat, one selection over all layers", "global"),
+    ("repeat-layer", "H2O repeat, budgets per layer", "layer"),
+    ("repeat-uniform", "H2O repeat, budgets uniform per head", "uniform"),
+    ("repeat-kvcache", "H2O repeat, saved as KVCache (re-rotated)", "uniform"),
+)
+RETRIEVAL_FAMILIES = ("rotating", "h2o-key", "h2o-query") + tuple(family for family, _, _ in REPEAT_ROWS)
 
 
 class Run:
