@@ -234,6 +234,24 @@ def take(store: Store, order: mx.array) -> Store:
     return _map(gather, store)
 
 
+def flat_take(store: Store, slots: mx.array) -> Store:
+    """Rows `[N, *]` at flat slots `slots` `[N]` (`(b * H + h) * C + c`) of a store `[B, H, C, *]`."""
+    return _map(lambda x: x.reshape(-1, x.shape[-1])[slots], store)
+
+
+def flat_put(rows: Store, slots: mx.array, shape: Tuple[int, int, int]) -> Store:
+    """A store `[B, H, C, *]` (`shape` = (B, H, C)) holding `rows` `[N, *]` at the flat slots
+    `slots` `[N]` (as `flat_take` reads them), zeros in every other slot."""
+
+    def put(x):
+        full = mx.zeros((shape[0] * shape[1] * shape[2], x.shape[-1]), x.dtype)
+        if x.shape[-1] and slots.size:  # rows of width 0 (a key-only cache's values), or none
+            full[slots] = x
+        return full.reshape(*shape, x.shape[-1])
+
+    return _map(put, rows)
+
+
 def head(store: Store, n: int) -> Store:
     """The first n slots."""
     return _map(lambda x: x[:, :, :n], store)

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 import h2o_fn
 from h2o_fn import H2OConfig, absorb, admit, assert_invariants, init, step
-from h2o_fn import budgets, core, prefill, rule, scoring, storage, view
+from h2o_fn import budgets, core, packing, prefill, rule, scoring, storage, view
 from h2o_fn import reference as ref
 
 from helpers import assert_matches, chunk_weights, core_weights, dequantized
@@ -397,3 +397,28 @@ def test_evict_matches_reference_on_an_over_budget_state():
     out, rout = h2o_fn.evict(state, cfg), ref.evict(rstate, cfg)
     assert ref.kept_positions(rout) == [[[0, 1, 3, 4]]]  # tie 2 vs 3 -> lower position; 4 in grace
     assert_matches(out, rout)
+
+
+@settings(max_examples=40)
+@given(data=st.data())
+def test_a_packed_state_unpacks_to_one_that_continues_as_the_state_would(data):
+    """`packing`: the rows of the slots holding tokens, and nothing else, survive pack and
+    unpack; the unpacked state then matches the reference after a step, as the state did."""
+    cfg, kv = data.draw(configs(max_budget=12)), data.draw(storages())
+    shape, s, r = _prefix(data, cfg, kv)
+    p = packing.pack(s)
+    u = packing.unpack(p)
+    held = np.array(s.positions) >= 0
+    assert p.slots.tolist() == np.flatnonzero(held).tolist()
+    for got, want in zip(storage.parts(u.keys) + storage.parts(u.values), storage.parts(s.keys) + storage.parts(s.values)):
+        got, want = np.array(got), np.array(want)
+        assert got.shape == want.shape and np.array_equal(got[held], want[held]) and not got[~held].any()
+    for name in ("scores", "positions", "length", "seen"):
+        assert mx.array_equal(getattr(u, name), getattr(s, name)), name
+    rows = sum(x.nbytes for x in storage.parts(s.keys) + storage.parts(s.values))
+    assert packing.packed_nbytes(p) == h2o_fn.state_nbytes(s) - rows + rows * held.sum() // held.size + 4 * held.sum()
+    k, v, w = _token(data, shape)
+    cw = None if cfg.scoring == "key" else core_weights(u, w)
+    assert_matches(step(u, mx.array(k), mx.array(v), cfg, cw, kv=kv),
+                   ref.step(r, as_stored(k, kv), as_stored(v, kv), cfg, None if cfg.scoring == "key" else w, kv=kv),
+                   where=f"a step after unpack, {cfg}", kv=kv)

@@ -28,6 +28,7 @@ pytest.importorskip("mlx_lm")
 
 from h2o_fn import H2OConfig, Prompt  # noqa: E402
 from h2o_fn.adapters import gguf  # noqa: E402
+from h2o_fn.adapters.at_rest import PackedH2OKVCache  # noqa: E402
 from h2o_fn.adapters.cli import serve, serve_compat, serve_requests, serve_store  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -393,12 +394,13 @@ def test_the_prompt_cache_never_trims_an_evicted_entry_and_never_returns_nothing
     # the same prompt: mlx-lm would return it with nothing left to feed; no shorter entry here
     cache, rest = pc.fetch_nearest_cache(key, tokens)
     assert cache is None and rest == tokens
-    # ... and with a shorter entry held, that one is continued, shared: feeding it leaves the entry as it was
+    # ... and with a shorter entry held, that one is continued: feeding it leaves the entry as it was
+    # (5 tokens in 9 slots per head: held packed, continued from new arrays)
     pc.insert_cache(key, tokens[:5], _cache_after(model, config, tokens[:5]))
     cache, rest = pc.fetch_nearest_cache(key, tokens)
     assert cache[0].tokens_seen == 5 and rest == tokens[5:]
     stored = serve.serve_compat.entry(pc, key, tokens[:5]).prompt_cache
-    assert cache[0].layer_state.core.keys is stored[0].layer_state.core.keys  # no copy
+    assert all(isinstance(c, PackedH2OKVCache) for c in stored)
     model(mx.array([rest]), cache=cache)
     assert cache[0].tokens_seen == 20 and stored[0].tokens_seen == 5
     # a longer prompt: the evicted conversation entry is handed to the request, as it is, and leaves
@@ -428,6 +430,48 @@ def test_the_prompt_cache_never_trims_an_evicted_entry_and_never_returns_nothing
     off.insert_cache(key, short, _cache_after(model, config, short))
     assert off.fetch_nearest_cache(key, short + [7]) == (None, short + [7])
     assert off.stats(key)["held"]["caches"] == 0 and off.stats(key)["stored"]["caches"] == 1
+
+
+def test_held_entries_are_packed_to_their_tokens_and_continue_as_they_would(tmp_path):
+    """An entry whose layers hold few tokens in many slots is held packed (`at_rest`): it
+    counts only its tokens' rows, is saved so (an entry file of --prompt-cache-dir), and
+    continuing it, held or loaded, gives the logits the unpacked cache gives, bit for bit;
+    a layer that fills its slots is held as it is and shared, no copy."""
+    import copy
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    from h2o_fn.adapters.at_rest import unpack_layers
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    config = H2OConfig(budget=16, n_sink=1, grace=2, scoring="key")
+    pc = serve.H2OPromptCache(max_size=10)
+    few, full = list(range(1, 6)), list(range(1, 17))  # 5 and 16 tokens in 17 slots per head
+    new = [40, 41, 42]
+    for tokens in (few, full):
+        cache = _cache_after(model, config, tokens)
+        want = model(mx.array([new]), cache=copy.deepcopy(cache))
+        pc.insert_cache("m", tokens, cache)
+        held = serve.serve_compat.entry(pc, "m", tokens).prompt_cache
+        assert pc.stats("m")["prompt_cache"]["bytes"] == sum(c.nbytes for c in held)
+        path = str(tmp_path / f"{len(tokens)}.safetensors")
+        save_prompt_cache(path, held)
+        loaded = load_prompt_cache(path)
+        assert [type(c) for c in loaded] == [type(c) for c in held]
+        if tokens is few:
+            assert all(isinstance(c, PackedH2OKVCache) for c in held)
+            assert 2 * sum(c.nbytes for c in held) < sum(c.nbytes for c in cache)
+            assert pc.stats("m")["held"]["max_seen_per_layer"] == [5, 5]
+        continued, rest = pc.fetch_nearest_cache("m", tokens + new)
+        assert rest == new and [c.tokens_seen for c in continued] == [len(tokens)] * 2
+        if tokens is full:
+            assert not any(isinstance(c, PackedH2OKVCache) for c in held)
+            assert continued[0].layer_state.core.keys is held[0].layer_state.core.keys  # no copy
+        assert mx.array_equal(model(mx.array([rest]), cache=continued), want)
+        assert mx.array_equal(model(mx.array([new]), cache=unpack_layers(loaded)), want)
+        assert [c.tokens_seen for c in held] == [len(tokens)] * 2  # the entry as it was
 
 
 def test_the_prompt_cache_is_bounded_by_the_bytes_its_entries_hold():

@@ -27,6 +27,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from h2o_fn import storage
 
+from ..at_rest import unpack_layers
 from ..attention import query_scoring
 from ..export import to_kvcache
 from ..mlx_lm import h2o_caches, make_h2o_cache
@@ -158,6 +159,7 @@ def load(path: str, model, model_spec: Optional[str]):
         raise ValueError(f"--prompt-cache-file {path}: no such file")
     try:
         cache, meta = load_prompt_cache(path, return_metadata=True)
+        cache = unpack_layers(cache)  # an entry file of `serve --prompt-cache-dir` holds packed layers
     except Exception as e:  # safetensors or mlx-lm's class lookup: the file is not a prompt cache
         raise ValueError(f"--prompt-cache-file {path} is not a prompt-cache file "
                          f"(expected one from h2o-fn cache-prompt or mlx_lm.cache_prompt): {e}") from None

@@ -31,6 +31,7 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prom
 from h2o_fn import H2OConfig
 
 from .. import allocation
+from ..at_rest import PackedH2OKVCache, h2o_layers, pack_layers, unpack_layers
 from ..cache import H2OKVCache
 from ..mlx_lm import h2o_caches, use_h2o
 from ..retention import cache_prompt, repeat_prefix
@@ -230,6 +231,10 @@ class H2OPromptCache(LRUPromptCache):
     its caches' `nbytes`, for H2O what the kept rows (packed with `--kv-bits`), their
     scores and positions really take.
 
+    Held entries are packed (`at_rest.pack_layers`): an H2O layer whose slots mostly hold
+    nothing (a selection's reserved slots, a short chat's free ones) keeps only its tokens'
+    rows, and counts only those; it is unpacked into new arrays when fetched.
+
     Fetching is mlx-lm's search without its deep copy:
     - an H2O entry's immutable state is shared (`share`): a request's first write makes
       its own arrays, the entry is never changed;
@@ -312,7 +317,7 @@ class H2OPromptCache(LRUPromptCache):
                 self.lent += 1
                 if self.store is not None:
                     self._lent[tuple(found.shorter)] = model
-                return shorter.prompt_cache, tokens[short:]
+                return unpack_layers(shorter.prompt_cache), tokens[short:]
             return share(shorter.prompt_cache), tokens[short:]
         return None, tokens
 
@@ -329,15 +334,17 @@ class H2OPromptCache(LRUPromptCache):
                     if serve_compat.entry(self, model, tokens[:n]).cache_type == "user":
                         serve_compat.take(self, model, tokens[:n])
                         self.superseded += 1
-            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+            held = pack_layers(prompt_cache)
+            super().insert_cache(model, tokens, held, cache_type=cache_type)
             if layers:  # logged before `stats` can count it
                 log.info("H2O cache stored (%s, %d tokens): %d layers, tokens kept per layer %s "
-                         "(budget %s), seen %s; %d bytes", cache_type, len(tokens), len(layers), _span(kept),
-                         _span([c.config.budget for c in layers]), _span(seen),
-                         sum(c.nbytes for c in prompt_cache))
+                         "(budget %s), seen %s; %d bytes (%d packed of %d)", cache_type, len(tokens), len(layers),
+                         _span(kept), _span([c.config.budget for c in layers]), _span(seen),
+                         sum(c.nbytes for c in held), sum(isinstance(c, PackedH2OKVCache) for c in held),
+                         len(layers))
                 self._totals.setdefault(model, _Totals()).add(kept, seen, cache_type, mean_per_head(layers))
             if self.store is not None:
-                self._persist(model, tokens, prompt_cache, cache_type, before, persist)
+                self._persist(model, tokens, held, cache_type, before, persist)
 
     def trim_to(self, **kwargs):
         with self._lock:
@@ -389,7 +396,7 @@ class H2OPromptCache(LRUPromptCache):
             held = serve_compat.held_entries(self, model)
             now = _Totals()
             for entry in held:
-                layers = h2o_caches(entry.prompt_cache)
+                layers = h2o_layers(entry.prompt_cache)
                 now.add([c.tokens_kept for c in layers], [c.tokens_seen for c in layers])
             out = {
                 "stored": {"caches": totals.caches, "by_type": dict(totals.by_type),
@@ -416,10 +423,17 @@ class H2OPromptCache(LRUPromptCache):
 def share(prompt_cache: List[Any]) -> List[Any]:
     """A cache list continuing `prompt_cache` without copying it: each H2O layer a new cache
     around the same immutable state (a write makes new arrays; the original never
-    changes); any other layer (mutable) deep-copied, as mlx-lm does."""
-    return [type(c)(c.config, c.argmin, state=c.layer_state, prompt=c.policy.prompt, kv_bits=c.policy.kv.bits,
-                    kv_group_size=c.policy.kv.group_size) if isinstance(c, H2OKVCache) else copy.deepcopy(c)
-            for c in prompt_cache]
+    changes); a packed one (`at_rest.PackedH2OKVCache`) unpacked into new arrays; any other
+    layer (mutable) deep-copied, as mlx-lm does."""
+    def continued(c):
+        if isinstance(c, PackedH2OKVCache):
+            return c.unpack()
+        if isinstance(c, H2OKVCache):
+            return type(c)(c.config, c.argmin, state=c.layer_state, prompt=c.policy.prompt,
+                           kv_bits=c.policy.kv.bits, kv_group_size=c.policy.kv.group_size)
+        return copy.deepcopy(c)
+
+    return [continued(c) for c in prompt_cache]
 
 
 class Reading(NamedTuple):

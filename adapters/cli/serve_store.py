@@ -3,7 +3,8 @@
 Every entry the server's prompt cache holds is one file in DIR, written in the
 `cache-prompt` format (mlx-lm's `save_prompt_cache`, with h2o-fn's metadata: the
 format, the model, the policy) plus what serve needs to file it again: its token ids
-and mlx-lm's cache type. `h2o-fn generate --prompt-cache-file` reads these files too.
+and mlx-lm's cache type. Its layers are saved as held, packed ones too
+(`at_rest.PackedH2OKVCache`). `h2o-fn generate --prompt-cache-file` reads these files too.
 
 - Names: `<key>-<digest>.safetensors`; key: a hash of the served model's id and the
   entry's tokens; digest: a hash of the whole file, checked on load.
@@ -37,6 +38,7 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_promp
 
 from h2o_fn import storage
 
+from ..at_rest import unpack_layers
 from ..cache import H2OKVCache
 from .cache_prompt import FORMAT
 
@@ -198,6 +200,7 @@ class PromptCacheDir:
             raise ValueError(f"its bytes hash to {digest}, not {name.group(2)}: the file is corrupt or partial")
         try:
             cache, meta = load_prompt_cache(str(path), return_metadata=True)
+            cache = unpack_layers(cache)
         except Exception as e:  # safetensors or mlx-lm's class lookup: not a prompt-cache file
             raise ValueError(f"not a prompt-cache file ({type(e).__name__}: {e})") from None
         if meta.get("format") != FORMAT:

@@ -1,0 +1,127 @@
+"""H2O caches at rest: a held cache list's layers packed to the rows that hold tokens.
+
+A server that holds many finished conversations (`h2o-fn serve`'s prompt cache) pays for
+every slot of every layer it holds. After `cache_prompt`'s selection across heads a
+layer's slots follow its fullest head, and a short chat holds a few tokens in budget + 1
+slots. `pack_layers` replaces each H2O layer whose packed form (`h2o_fn.packing`) takes at
+most `AT_MOST` of its bytes by a `PackedH2OKVCache`. A `PackedH2OKVCache` answers what mlx-lm's
+prompt cache asks of a held layer (`nbytes`, `is_trimmable()`, `offset`, `size()`,
+`tokens_kept`, `tokens_seen`) without unpacking. `unpack_layers` gives caches that continue
+exactly as the packed ones would have.
+
+Unpacking allocates a layer's slots again. A held state that is shared pays that copy
+anyway: its first write copies every slot, since mlx cannot write in place into an array
+that is still held. Above `AT_MOST` a layer stays as it is and is shared without a copy
+until then.
+
+Example:
+    >>> import mlx.core as mx
+    >>> from h2o_fn import H2OConfig
+    >>> from h2o_fn.adapters.mlx_lm import H2OKVCache
+    >>> cache = H2OKVCache(H2OConfig(budget=64, scoring="key"))
+    >>> _ = cache.update_and_fetch(mx.ones((1, 2, 5, 8)), mx.ones((1, 2, 5, 8)))
+    >>> [held] = pack_layers([cache])        # 5 tokens in 65 slots per head
+    >>> type(held).__name__, held.nbytes < cache.nbytes, held.offset
+    ('PackedH2OKVCache', True, 5)
+    >>> [back] = unpack_layers([held])
+    >>> bool(mx.array_equal(back.keys[:, :, :5], cache.keys[:, :, :5])), back.tokens_kept
+    (True, 5)
+"""
+
+from typing import Any, List
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+
+from h2o_fn import packing, storage
+
+from . import cache_state, staging
+from .cache import H2OKVCache
+from .mlx_lm import h2o_caches
+
+AT_MOST = 0.75  # pack a layer when its packed bytes are at most this share of its slots' bytes
+
+
+class PackedH2OKVCache:
+    """One H2O layer at rest (`h2o_fn.packing.Packed`); `unpack()` gives the cache back.
+
+    Args:
+      cache: a settled H2O cache (no attention weights awaited) holding tokens.
+    """
+
+    def __init__(self, cache: H2OKVCache):
+        s = cache.layer_state
+        if s.core is None or s.pending is not None:
+            raise ValueError(f"cannot pack a {type(cache).__name__} that "
+                             f"{'holds no tokens' if s.core is None else 'awaits attention weights'}")
+        self.kind, self.policy = type(cache), cache.policy
+        self.packed = packing.pack(s.core)
+        self._s = s._replace(core=None, head_mask=None)  # the last view's mask: rebuilt at the next update
+        self.tokens_kept, self.tokens_seen = cache.tokens_kept, cache.tokens_seen
+        self._trimmable = cache.is_trimmable()
+
+    nbytes = property(lambda self: packing.packed_nbytes(self.packed))
+    offset = property(lambda self: self.tokens_seen)
+
+    def size(self) -> int:
+        return self.tokens_kept
+
+    def empty(self) -> bool:
+        return False
+
+    def is_trimmable(self) -> bool:
+        return self._trimmable
+
+    @property
+    def state(self):
+        """The packed arrays (`h2o_fn.packing.Packed`), the staged decode tokens' arrays, then
+        the policy's JSON, as `H2OKVCache.state` orders them: what `save_prompt_cache` writes."""
+        return (*self.packed, *staging.to_arrays(self._s.staged), cache_state.meta(self._s, self.policy))
+
+    @classmethod
+    def from_state(cls, state) -> "PackedH2OKVCache":
+        """The layer a saved `state` holds (mlx-lm's `load_prompt_cache` calls it by class name)."""
+        keys, values, *rest, meta = state
+        store = lambda x: tuple(x) if isinstance(x, (list, tuple)) else x  # noqa: E731 (a quantized store)
+        core = packing.unpack(packing.Packed(store(keys), store(values), *rest[:5]))
+        return cls(H2OKVCache.from_state((*core, *rest[5:], meta)))
+
+    def unpack(self) -> H2OKVCache:
+        """A new cache holding the packed state (new arrays; this layer is unchanged)."""
+        p = self.policy
+        return self.kind(p.config, p.argmin, state=self._s._replace(core=packing.unpack(self.packed)),
+                         prompt=p.prompt, kv_bits=p.kv.bits, kv_group_size=p.kv.group_size)
+
+
+def packable(cache: Any) -> bool:
+    """Whether `pack_layers` packs `cache`: an H2O layer holding tokens, settled, leading no
+    lockstep followers, whose packed bytes are at most `AT_MOST` of its own."""
+    if not isinstance(cache, H2OKVCache):
+        return False
+    s = cache.layer_state
+    if s.core is None or s.pending is not None or s.followed:
+        return False
+    core = s.core
+    held = int(mx.sum(core.positions >= 0).item())
+    rows = storage.nbytes(core.keys) + storage.nbytes(core.values)
+    packed = cache.nbytes - rows + (rows // core.positions.size + 4) * held  # + each row's slot (int32)
+    return packed <= AT_MOST * cache.nbytes
+
+
+def pack_layers(caches: List[Any]) -> List[Any]:
+    """`caches` with every `packable` layer as a `PackedH2OKVCache` (the others as they are)."""
+    return [PackedH2OKVCache(c) if packable(c) else c for c in caches]
+
+
+def unpack_layers(caches: List[Any]) -> List[Any]:
+    """`caches` with every `PackedH2OKVCache` unpacked (new caches; the others as they are)."""
+    return [c.unpack() if isinstance(c, PackedH2OKVCache) else c for c in caches]
+
+
+def h2o_layers(caches: List[Any]) -> List[Any]:
+    """The H2O layers of a cache list, packed or not (also inside `CacheList`s), in layer order."""
+    return [x for c in caches for x in ([c] if isinstance(c, PackedH2OKVCache) else h2o_caches([c]))]
+
+
+# mlx-lm's load_prompt_cache looks classes up by name in its cache module
+mlx_cache.PackedH2OKVCache = PackedH2OKVCache
