@@ -56,6 +56,7 @@ class PackedH2OKVCache:
                              f"{'holds no tokens' if s.core is None else 'awaits attention weights'}")
         self.kind, self.policy = type(cache), cache.policy
         self.packed = packing.pack(s.core)
+        mx.eval(self.packed)  # now: a lazy gather would hold every slot, and on the thread that built it
         self._s = s._replace(core=None, head_mask=None)  # the last view's mask: rebuilt at the next update
         self.tokens_kept, self.tokens_seen = cache.tokens_kept, cache.tokens_seen
         self._trimmable = cache.is_trimmable()
@@ -87,10 +88,12 @@ class PackedH2OKVCache:
         return cls(H2OKVCache.from_state((*core, *rest[5:], meta)))
 
     def unpack(self) -> H2OKVCache:
-        """A new cache holding the packed state (new arrays; this layer is unchanged)."""
+        """A new cache holding the packed state, evaluated (new arrays; this layer is unchanged)."""
         p = self.policy
-        return self.kind(p.config, p.argmin, state=self._s._replace(core=packing.unpack(self.packed)),
-                         prompt=p.prompt, kv_bits=p.kv.bits, kv_group_size=p.kv.group_size)
+        core = packing.unpack(self.packed)
+        mx.eval(core)
+        return self.kind(p.config, p.argmin, state=self._s._replace(core=core), prompt=p.prompt,
+                         kv_bits=p.kv.bits, kv_group_size=p.kv.group_size)
 
 
 def packable(cache: Any) -> bool:
@@ -113,9 +116,16 @@ def pack_layers(caches: List[Any]) -> List[Any]:
     return [PackedH2OKVCache(c) if packable(c) else c for c in caches]
 
 
-def unpack_layers(caches: List[Any]) -> List[Any]:
-    """`caches` with every `PackedH2OKVCache` unpacked (new caches; the others as they are)."""
-    return [c.unpack() if isinstance(c, PackedH2OKVCache) else c for c in caches]
+def unpack_layers(caches: List[Any], in_place: bool = False) -> List[Any]:
+    """`caches` with every `PackedH2OKVCache` unpacked (new caches; the others as they are).
+    `in_place`: replace them in `caches` itself, one layer at a time, so that a list nobody
+    else holds frees each packed layer as soon as it is unpacked (its slots plus one
+    packed layer at most, instead of plus all of them)."""
+    out = caches if in_place else list(caches)
+    for i, c in enumerate(out):
+        if isinstance(c, PackedH2OKVCache):
+            out[i] = c.unpack()
+    return out
 
 
 def h2o_layers(caches: List[Any]) -> List[Any]:

@@ -28,7 +28,10 @@ full-cache entries), for a plot of conversations held and accuracy against the b
 tokens, when the entry is deep-copied (mlx-lm's fetch), shared (`serve.share`), or
 handed to the request (`H2OPromptCache` for a conversation's evicted entry); and, as a
 diagnostic, handed over with `H2OKVCache` not keeping its last chunk's attention view
-(it keeps it for models whose layers share KV, until the next update).
+(it keeps it for models whose layers share KV, until the next update); then the same
+document read as serve reads a long prompt (`cache_prompt`) and held packed
+(`at_rest.pack_layers`), shared (unpacked into new arrays) or handed over (unpacked in
+place, layer by layer).
 
 The server runs with `--dequantize` and OpenBLAS preloaded when
 `/usr/lib/*/openblas-pthread/libopenblas.so.0` exists (bench/serve_rss.py's `start`).
@@ -242,7 +245,7 @@ def full_entry_bytes(tokens: int) -> int:
 
 def share_peaks(doc_tokens: int, budget: int) -> dict:
     """Peak memory above what was live, continuing a stored entry (doc_tokens read, budget)
-    with 8 new tokens and 16 decoded: deep copy, shared, handed over (see the docstring)."""
+    with 8 new tokens and 16 decoded: deep copy, shared, handed over, packed (see the docstring)."""
     import copy
     import gc
 
@@ -250,8 +253,10 @@ def share_peaks(doc_tokens: int, budget: int) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
     from pydoc_data.topics import topics
 
+    from h2o_fn.adapters.at_rest import pack_layers, unpack_layers
     from h2o_fn.adapters.cli import common, serve
     from h2o_fn.adapters.mlx_lm import use_h2o
+    from h2o_fn.adapters.retention import cache_prompt, repeat_prefix
 
     model, tokenizer = common.load_model(None, dequantize=True)
     use_h2o(model, budget=budget)
@@ -267,19 +272,36 @@ def share_peaks(doc_tokens: int, budget: int) -> dict:
         self._s, out = cache_state.update(self._s, self.policy, keys, values)
         return out
 
-    for mode in ("deep copy", "shared", "handed over", "handed over, no view kept"):
+    packed = None
+    for mode in ("deep copy", "shared", "handed over", "handed over, no view kept", "packed, shared",
+                 "packed, handed over"):
         H2OKVCache.update_and_fetch = no_view if mode.endswith("no view kept") else keeps_view
-        entry = make_prompt_cache(model)
-        for i in range(0, len(ids), 512):
-            model(mx.array(ids[i : i + 512])[None], cache=entry)
-            mx.eval([c.state for c in entry])
-        entry = serve.share(entry)  # as the prompt cache stores it: no view of the last chunk held
+        if mode.startswith("packed"):  # a long prompt read as serve reads it, held as serve holds it
+            if packed is None:
+                entry = make_prompt_cache(model)
+                cache_prompt(model, ids, entry, repeat_prefix=repeat_prefix(tokenizer))
+                slots = sum(c.nbytes for c in entry)
+                packed = pack_layers(entry)
+                del entry
+            entry = packed
+            if mode.endswith("handed over"):
+                packed = None  # the entry's only holder: consumed layer by layer
+        else:
+            entry = make_prompt_cache(model)
+            for i in range(0, len(ids), 512):
+                model(mx.array(ids[i : i + 512])[None], cache=entry)
+                mx.eval([c.state for c in entry])
+            entry = serve.share(entry)  # as the prompt cache stores it: no view of the last chunk held
+            slots = sum(c.nbytes for c in entry)
         size = sum(c.nbytes for c in entry)
         gc.collect()
         base = mx.get_active_memory()
         mx.reset_peak_memory()
-        cache = copy.deepcopy(entry) if mode == "deep copy" else serve.share(entry)
-        if mode.startswith("handed over"):
+        if mode == "packed, handed over":
+            cache = unpack_layers(entry, in_place=True)
+        else:
+            cache = copy.deepcopy(entry) if mode == "deep copy" else serve.share(entry)
+        if mode.endswith("handed over") or mode.endswith("no view kept"):
             del entry
             gc.collect()
         logits = model(mx.array(new)[None], cache=cache)
@@ -287,8 +309,10 @@ def share_peaks(doc_tokens: int, budget: int) -> dict:
         for _ in range(16):
             y = mx.argmax(model(y.reshape(1, 1), cache=cache)[0, -1])
             mx.eval(y)
-        out[mode] = {"entry_mib": size / 2**20, "peak_mib": (mx.get_peak_memory() - base) / 2**20}
-        print(f"{mode}: entry {size / 2**20:.1f} MiB, peak +{out[mode]['peak_mib']:.1f} MiB above what was live")
+        out[mode] = {"entry_mib": size / 2**20, "slots_mib": slots / 2**20,
+                     "peak_mib": (mx.get_peak_memory() - base) / 2**20}
+        print(f"{mode}: entry {size / 2**20:.1f} MiB (its slots {slots / 2**20:.1f} MiB), "
+              f"peak +{out[mode]['peak_mib']:.1f} MiB above what was live")
         del cache, logits, y
         gc.collect()
     H2OKVCache.update_and_fetch = keeps_view

@@ -470,8 +470,37 @@ def test_held_entries_are_packed_to_their_tokens_and_continue_as_they_would(tmp_
             assert not any(isinstance(c, PackedH2OKVCache) for c in held)
             assert continued[0].layer_state.core.keys is held[0].layer_state.core.keys  # no copy
         assert mx.array_equal(model(mx.array([rest]), cache=continued), want)
-        assert mx.array_equal(model(mx.array([new]), cache=unpack_layers(loaded)), want)
+        assert mx.array_equal(model(mx.array([new]), cache=unpack_layers(loaded, in_place=True)), want)
+        assert not any(isinstance(c, PackedH2OKVCache) for c in loaded)  # replaced one by one
         assert [c.tokens_seen for c in held] == [len(tokens)] * 2  # the entry as it was
+
+
+def test_an_entry_packed_on_one_thread_is_continued_on_another():
+    """serve files the entries of --prompt-cache-dir on its main thread and continues them on
+    the generation thread: mlx evaluates a graph only on the thread that built it, so what
+    is held must be evaluated arrays (a lazy gather also holds every slot it reads)."""
+    import mlx.core as mx
+
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    pc = serve.H2OPromptCache(max_size=10)
+    tokens = list(range(1, 6))
+    pc.insert_cache("m", tokens, _cache_after(model, H2OConfig(budget=16, n_sink=1, grace=2), tokens))
+    assert isinstance(serve.serve_compat.entry(pc, "m", tokens).prompt_cache[0], PackedH2OKVCache)
+    out = []
+
+    def continue_it():
+        try:
+            cache, rest = pc.fetch_nearest_cache("m", tokens + [40])
+            out.append(mx.argmax(model(mx.array([rest]), cache=cache)[0, -1]).item())
+        except Exception as e:  # noqa: BLE001 (reported below)
+            out.append(e)
+
+    worker = threading.Thread(target=continue_it)
+    worker.start()
+    worker.join()
+    assert isinstance(out[0], int), out
 
 
 def test_the_prompt_cache_is_bounded_by_the_bytes_its_entries_hold():

@@ -317,7 +317,7 @@ class H2OPromptCache(LRUPromptCache):
                 self.lent += 1
                 if self.store is not None:
                     self._lent[tuple(found.shorter)] = model
-                return unpack_layers(shorter.prompt_cache), tokens[short:]
+                return unpack_layers(shorter.prompt_cache, in_place=True), tokens[short:]
             return share(shorter.prompt_cache), tokens[short:]
         return None, tokens
 
