@@ -28,12 +28,12 @@ Example:
     (True, 5)
 """
 
-from typing import Any, List
+from typing import Any, List, Optional
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from h2o_fn import packing, storage
+from h2o_fn import packing
 
 from . import cache_state, staging
 from .cache import H2OKVCache
@@ -47,15 +47,16 @@ class PackedH2OKVCache:
 
     Args:
       cache: a settled H2O cache (no attention weights awaited) holding tokens.
+      packed: `packing.pack` of its core state, when the caller has it already.
     """
 
-    def __init__(self, cache: H2OKVCache):
+    def __init__(self, cache: H2OKVCache, packed: Optional[packing.Packed] = None):
         s = cache.layer_state
         if s.core is None or s.pending is not None:
             raise ValueError(f"cannot pack a {type(cache).__name__} that "
                              f"{'holds no tokens' if s.core is None else 'awaits attention weights'}")
         self.kind, self.policy = type(cache), cache.policy
-        self.packed = packing.pack(s.core)
+        self.packed = packing.pack(s.core) if packed is None else packed
         mx.eval(self.packed)  # now: a lazy gather would hold every slot, and on the thread that built it
         self._s = s._replace(core=None, head_mask=None)  # the last view's mask: rebuilt at the next update
         self.tokens_kept, self.tokens_seen = cache.tokens_kept, cache.tokens_seen
@@ -96,24 +97,22 @@ class PackedH2OKVCache:
                          kv_bits=p.kv.bits, kv_group_size=p.kv.group_size)
 
 
-def packable(cache: Any) -> bool:
-    """Whether `pack_layers` packs `cache`: an H2O layer holding tokens, settled, leading no
-    lockstep followers, whose packed bytes are at most `AT_MOST` of its own."""
+def at_rest(cache: Any) -> Any:
+    """`cache` as `pack_layers` holds it: packed when it is an H2O layer holding tokens,
+    settled, leading no lockstep followers, whose packed bytes are at most `AT_MOST` of its
+    own; else `cache` itself."""
     if not isinstance(cache, H2OKVCache):
-        return False
+        return cache
     s = cache.layer_state
     if s.core is None or s.pending is not None or s.followed:
-        return False
-    core = s.core
-    held = int(mx.sum(core.positions >= 0).item())
-    rows = storage.nbytes(core.keys) + storage.nbytes(core.values)
-    packed = cache.nbytes - rows + (rows // core.positions.size + 4) * held  # + each row's slot (int32)
-    return packed <= AT_MOST * cache.nbytes
+        return cache
+    packed = packing.pack(s.core)  # lazy: its bytes are known from its shapes, before any gather runs
+    return PackedH2OKVCache(cache, packed) if packing.packed_nbytes(packed) <= AT_MOST * cache.nbytes else cache
 
 
 def pack_layers(caches: List[Any]) -> List[Any]:
-    """`caches` with every `packable` layer as a `PackedH2OKVCache` (the others as they are)."""
-    return [PackedH2OKVCache(c) if packable(c) else c for c in caches]
+    """`caches` with every layer `at_rest` packs as a `PackedH2OKVCache` (the others as they are)."""
+    return [at_rest(c) for c in caches]
 
 
 def unpack_layers(caches: List[Any], in_place: bool = False) -> List[Any]:
