@@ -55,7 +55,7 @@ class PackedH2OKVCache:
         if s.core is None or s.pending is not None:
             raise ValueError(f"cannot pack a {type(cache).__name__} that "
                              f"{'holds no tokens' if s.core is None else 'awaits attention weights'}")
-        self.kind, self.policy = type(cache), cache.policy
+        self.kind, self.policy, self.keeps_view = type(cache), cache.policy, cache.keeps_view
         self.packed = packing.pack(s.core) if packed is None else packed
         mx.eval(self.packed)  # now: a lazy gather would hold every slot, and on the thread that built it
         self._s = s._replace(core=None, head_mask=None)  # the last view's mask: rebuilt at the next update
@@ -94,7 +94,7 @@ class PackedH2OKVCache:
         core = packing.unpack(self.packed)
         mx.eval(core)
         return self.kind(p.config, p.argmin, state=self._s._replace(core=core), prompt=p.prompt,
-                         kv_bits=p.kv.bits, kv_group_size=p.kv.group_size)
+                         kv_bits=p.kv.bits, kv_group_size=p.kv.group_size, keeps_view=self.keeps_view)
 
 
 def at_rest(cache: Any) -> Any:

@@ -218,6 +218,8 @@ class H2OKVCache(HookProtocol, PromptAbsorption):
       kv_bits, kv_group_size: store the kept rows quantized, as mlx-lm's `QuantizedKVCache`
         (`h2o_fn.Storage`; default None: the model's dtype).
       budget: instead of `config`, the recommended policy at this budget (`recommended`).
+      keeps_view: hold the last update's view for `keys_and_values()` (layers sharing KV;
+        `make_h2o_cache` passes `shares_kv(model)`). After a chunk it copies every row.
 
     Reading the cache (`state`, `layer_state`, `core_state`, `is_trimmable()`) never changes
     it: a key-scored token waiting for attention's logits is settled on a copy (`_read`).
@@ -228,9 +230,10 @@ class H2OKVCache(HookProtocol, PromptAbsorption):
     def __init__(self, config: Optional[H2OConfig] = None, argmin=protected_argmin,
                  state: Optional[CacheState] = None, evict_every: Optional[int] = None,
                  prompt: Optional[Prompt] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64, *,
-                 budget: Optional[int] = None):
+                 budget: Optional[int] = None, keeps_view: bool = True):
         self.policy = cache_policy(config, argmin, prompt, kv_bits, kv_group_size, budget=budget)
         self._s = _starting(state, evict_every)
+        self.keeps_view = keeps_view
         self._view = None  # what the last update returned (for layers that share this KV)
         self._masked = True  # the last view's per-head mask was taken (heads with reserved slots)
 
@@ -253,14 +256,17 @@ class H2OKVCache(HookProtocol, PromptAbsorption):
                 "selection), so its attention needs a mask per KV head, which only the attention hook "
                 "applies: the last forward pass ran without it. Install it with "
                 "h2o_fn.adapters.attention.install_query_hook(model) (make_h2o_cache does)")
-        self._s, self._view = cache_state.update(self._s, self.policy, keys, values)
+        self._s, out = cache_state.update(self._s, self.policy, keys, values)
+        self._view = out if self.keeps_view else None
         self._masked = self._s.head_mask is None
-        return self._view
+        return out
 
     def keys_and_values(self):
         """The rows the last update returned: what a layer sharing this KV attends to."""
         if self._view is None:
-            raise RuntimeError(f"{type(self).__name__} holds no tokens yet: nothing to share")
+            raise RuntimeError(f"{type(self).__name__} holds no view to share: " + (
+                "no tokens yet" if self.keeps_view else "built with keeps_view=False (make_h2o_cache(model) "
+                "keeps views for models whose layers share KV caches)"))
         return self._view
 
     keys = property(lambda self: cache_state.store(self._s, "keys"),
@@ -338,7 +344,7 @@ class H2OKVCache(HookProtocol, PromptAbsorption):
         rows are stacked as they are, no padding (each keeps its own length)."""
         policy = _one_policy(caches)
         state = cache_state.stack([c.settled("merge") for c in caches], policy, [c.config.budget for c in caches])
-        return _of(BatchH2OKVCache, policy, state)
+        return _of(BatchH2OKVCache, policy, state, any(c.keeps_view for c in caches))
 
     # ------------------------------------------------------------ what H2O adds
 
@@ -418,10 +424,10 @@ def _one_policy(caches: Sequence[H2OKVCache]) -> Policy:
     return widest.policy
 
 
-def _of(cls, policy: Policy, state: CacheState) -> H2OKVCache:
+def _of(cls, policy: Policy, state: CacheState, keeps_view: bool = True) -> H2OKVCache:
     """A cache of `cls` holding `state` under `policy`."""
     return cls(policy.config, policy.argmin, state=state, prompt=policy.prompt, kv_bits=policy.kv.bits,
-               kv_group_size=policy.kv.group_size)
+               kv_group_size=policy.kv.group_size, keeps_view=keeps_view)
 
 
 def _starting(state: Optional[CacheState], evict_every: Optional[int]) -> CacheState:
@@ -483,7 +489,7 @@ class BatchH2OKVCache(H2OKVCache):
         """Batch row `idx` as a single-prompt cache (its staged decode tokens stay staged)."""
         row = cache_state.take_batch(self.ready("extract"), [idx])
         state = CacheState(every=self.evict_every) if self._s.core is None else row._replace(to_come=None)
-        return _of(H2OKVCache, self.policy, state)
+        return _of(H2OKVCache, self.policy, state, self.keeps_view)
 
     def unbatched(self) -> List[H2OKVCache]:
         """Every batch row as a single-prompt cache."""

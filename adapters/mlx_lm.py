@@ -64,12 +64,12 @@ def _build(model: nn.Module, configs: List[H2OConfig], argmin, every: Sequence[i
            prompt: Prompt, kv: Storage) -> List[Any]:
     """The model's own caches with H2O in every full-attention layer (configs and
     evict_every in layer order)."""
-    per_layer = iter(zip(configs, every))
+    per_layer, shared = iter(zip(configs, every)), shares_kv(model)
 
     def h2o():
         config, k = next(per_layer)
         return H2OKVCache(config, argmin, evict_every=k, prompt=prompt, kv_bits=kv.bits,
-                          kv_group_size=kv.group_size)
+                          kv_group_size=kv.group_size, keeps_view=shared)
 
     def convert(c):
         if type(c) is KVCache:
@@ -182,6 +182,12 @@ def use_h2o(model: nn.Module, config: Optional[H2OConfig] = None,
         model.__dict__.pop("make_cache", None)
 
     return undo
+
+
+def shares_kv(model: nn.Module) -> bool:
+    """Whether some of the model's layers may attend to another layer's cache (afm7's KV-reuse
+    layers, gemma3n's KV-shared ones read `keys_and_values()`): it has more layers than caches."""
+    return len(model.layers) > len(_model_caches(model))
 
 
 def _model_caches(model: nn.Module) -> List[Any]:

@@ -647,3 +647,51 @@ def test_the_adapters_knobs_are_checked_and_travel_with_a_saved_cache():
     assert loaded.tokens_kept == 10 and capacity(loaded.core_state) == 8 + 3  # room for the staged three
     with pytest.raises(ValueError, match=r"different configs \(config, prompt, storage, evict_every\)"):
         H2OKVCache.merge([cache, H2OKVCache(cfg, evict_every=3, prompt=Prompt(window=4, pool=3))])
+
+
+@pytest.mark.parametrize("scoring", ["key", "query"])
+def test_a_prompt_chunk_leaves_no_copy_of_the_rows_behind(llama, scoring):
+    """After a chunk the view attention read (every kept row plus the chunk) is a copy; a
+    cache that no other layer reads lets it go with the attention (make_h2o_cache for a
+    model whose layers each have their own cache). A continued conversation's peak then
+    holds its state, not its state twice."""
+    import gc
+
+    from h2o_fn.adapters.mlx_lm import shares_kv
+
+    assert not shares_kv(llama)
+    ids = mx.array(np.random.default_rng(0).integers(1, 100, (1, 48)))
+
+    def held_after_chunk(keeps_view):
+        cache = make_h2o_cache(llama, H2OConfig(budget=16, n_sink=2, grace=4, scoring=scoring))
+        mx.eval(llama(ids[:, :40], cache=cache))
+        for c in cache:
+            c.keeps_view = keeps_view
+        gc.collect()
+        base = mx.get_active_memory()
+        mx.eval(llama(ids[:, 40:], cache=cache))  # the next turn's 8 tokens
+        gc.collect()
+        return mx.get_active_memory() - base, cache
+
+    held, cache = held_after_chunk(False)
+    views = len(cache) * 2 * 2 * 16 * (16 + 8 - 1) * 4  # K and V, 2 KV heads, D 16, >= 16 kept + 8 - 1 rows
+    kept, _ = held_after_chunk(True)
+    assert kept - held >= views, (kept, held, views)  # the views a sharing model's caches hold
+    with pytest.raises(RuntimeError, match="keeps_view=False"):
+        cache[0].keys_and_values()
+
+
+def test_caches_of_models_whose_layers_share_kv_keep_their_views():
+    import zoo
+
+    from h2o_fn.adapters.mlx_lm import shares_kv
+
+    for name in ("afm7", "gemma3n"):
+        model = zoo.build(name)
+        try:
+            assert shares_kv(model), name
+            cache = make_h2o_cache(model, H2OConfig(budget=8, n_sink=1, grace=2, scoring="key"))
+            assert all(c.keeps_view for c in h2o_caches(cache)), name
+            model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)  # their shared layers read keys_and_values()
+        finally:
+            remove_query_hook(model)
