@@ -26,12 +26,10 @@ full-cache entries), for a plot of conversations held and accuracy against the b
 
 `share` (in process): the peak memory of continuing a stored H2O entry with a few new
 tokens, when the entry is deep-copied (mlx-lm's fetch), shared (`serve.share`), or
-handed to the request (`H2OPromptCache` for a conversation's evicted entry); and, as a
-diagnostic, handed over with `H2OKVCache` not keeping its last chunk's attention view
-(it keeps it for models whose layers share KV, until the next update); then the same
-document read as serve reads a long prompt (`cache_prompt`) and held packed
-(`at_rest.pack_layers`), shared (unpacked into new arrays) or handed over (unpacked in
-place, layer by layer).
+handed to the request (`H2OPromptCache` for a conversation's evicted entry); then the same
+document read as serve reads a long prompt (`cache_prompt`), held as it is (shared or
+handed over) or packed (`at_rest.pack_layers`: shared = unpacked into new arrays, handed
+over = unpacked in place, layer by layer).
 
 The server runs with `--dequantize` and OpenBLAS preloaded when
 `/usr/lib/*/openblas-pthread/libopenblas.so.0` exists (bench/serve_rss.py's `start`).
@@ -263,29 +261,13 @@ def share_peaks(doc_tokens: int, budget: int) -> dict:
     ids = tokenizer.encode(" ".join(topics.values()))[:doc_tokens]
     new = tokenizer.encode(" What is the code of the door? The code is")[:8]
     out = {}
-    from h2o_fn.adapters import cache_state
-    from h2o_fn.adapters.cache import H2OKVCache
-
-    keeps_view = H2OKVCache.update_and_fetch
-
-    def no_view(self, keys, values):  # diagnostic: the update without keeping its view for shared-KV layers
-        self._s, out = cache_state.update(self._s, self.policy, keys, values)
-        return out
-
-    packed = None
-    for mode in ("deep copy", "shared", "handed over", "handed over, no view kept", "packed, shared",
+    for mode in ("deep copy", "shared", "handed over", "read, shared", "read, handed over", "packed, shared",
                  "packed, handed over"):
-        H2OKVCache.update_and_fetch = no_view if mode.endswith("no view kept") else keeps_view
-        if mode.startswith("packed"):  # a long prompt read as serve reads it, held as serve holds it
-            if packed is None:
-                entry = make_prompt_cache(model)
-                cache_prompt(model, ids, entry, repeat_prefix=repeat_prefix(tokenizer))
-                slots = sum(c.nbytes for c in entry)
-                packed = pack_layers(entry)
-                del entry
-            entry = packed
-            if mode.endswith("handed over"):
-                packed = None  # the entry's only holder: consumed layer by layer
+        if mode.startswith(("read", "packed")):  # a long prompt read as serve reads it
+            entry = make_prompt_cache(model)
+            cache_prompt(model, ids, entry, repeat_prefix=repeat_prefix(tokenizer))
+            slots = sum(c.nbytes for c in entry)
+            entry = pack_layers(entry) if mode.startswith("packed") else serve.share(entry)
         else:
             entry = make_prompt_cache(model)
             for i in range(0, len(ids), 512):
@@ -301,7 +283,7 @@ def share_peaks(doc_tokens: int, budget: int) -> dict:
             cache = unpack_layers(entry, in_place=True)
         else:
             cache = copy.deepcopy(entry) if mode == "deep copy" else serve.share(entry)
-        if mode.endswith("handed over") or mode.endswith("no view kept"):
+        if mode.endswith("handed over"):
             del entry
             gc.collect()
         logits = model(mx.array(new)[None], cache=cache)
@@ -315,7 +297,6 @@ def share_peaks(doc_tokens: int, budget: int) -> dict:
               f"peak +{out[mode]['peak_mib']:.1f} MiB above what was live")
         del cache, logits, y
         gc.collect()
-    H2OKVCache.update_and_fetch = keeps_view
     return out
 
 
