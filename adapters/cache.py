@@ -336,7 +336,8 @@ class H2OKVCache(HookProtocol, PromptAbsorption):
     def state(self, v):
         *arrays, meta = v
         config, prompt, kv, state = cache_state.from_meta(arrays, meta)
-        self.__init__(config, state=state, prompt=prompt, kv_bits=kv.bits, kv_group_size=kv.group_size)
+        self.__init__(config, state=state, prompt=prompt, kv_bits=kv.bits, kv_group_size=kv.group_size,
+                      keeps_view=getattr(self, "keeps_view", True))
 
     @classmethod
     def merge(cls, caches: Sequence["H2OKVCache"]) -> "BatchH2OKVCache":

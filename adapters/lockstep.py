@@ -94,7 +94,7 @@ class H2OFollower(_BaseCache):
             positions = mx.concatenate([step.positions, mx.broadcast_to(chunk[:, None], (B, H, N))], axis=-1)
             self._chunk = (storage.concat(self.keys, keys), storage.concat(self.values, values), positions)
         self._seen = [s + n for s, n in zip(seen, step.counts)]
-        self._view = out
+        self._view = out if getattr(self.leader, "keeps_view", True) else None  # as its leader (H2OKVCache)
         return out
 
     def _settle(self, positions: mx.array) -> None:
@@ -122,7 +122,8 @@ class H2OFollower(_BaseCache):
 
     def keys_and_values(self):
         if self._view is None:
-            raise RuntimeError("H2OFollower holds no tokens yet: nothing to share")
+            raise RuntimeError("H2OFollower holds no view to share: no tokens yet, or its leader was built "
+                               "with keeps_view=False")
         return self._view
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
