@@ -36,7 +36,7 @@ from mlx_lm.models import cache as mlx_cache
 from h2o_fn import packing
 
 from . import cache_state, staging
-from .cache import H2OKVCache
+from .cache import H2OKVCache, cache_of
 from .mlx_lm import h2o_caches
 
 AT_MOST = 0.75  # pack a layer when its packed bytes are at most this share of its slots' bytes
@@ -90,11 +90,9 @@ class PackedH2OKVCache:
 
     def unpack(self) -> H2OKVCache:
         """A new cache holding the packed state, evaluated (new arrays; this layer is unchanged)."""
-        p = self.policy
         core = packing.unpack(self.packed)
         mx.eval(core)
-        return self.kind(p.config, p.argmin, state=self._s._replace(core=core), prompt=p.prompt,
-                         kv_bits=p.kv.bits, kv_group_size=p.kv.group_size, keeps_view=self.keeps_view)
+        return cache_of(self.kind, self.policy, self._s._replace(core=core), self.keeps_view)
 
 
 def at_rest(cache: Any) -> Any:

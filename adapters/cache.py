@@ -345,7 +345,7 @@ class H2OKVCache(HookProtocol, PromptAbsorption):
         rows are stacked as they are, no padding (each keeps its own length)."""
         policy = _one_policy(caches)
         state = cache_state.stack([c.settled("merge") for c in caches], policy, [c.config.budget for c in caches])
-        return _of(BatchH2OKVCache, policy, state, any(c.keeps_view for c in caches))
+        return cache_of(BatchH2OKVCache, policy, state, any(c.keeps_view for c in caches))
 
     # ------------------------------------------------------------ what H2O adds
 
@@ -425,8 +425,8 @@ def _one_policy(caches: Sequence[H2OKVCache]) -> Policy:
     return widest.policy
 
 
-def _of(cls, policy: Policy, state: CacheState, keeps_view: bool = True) -> H2OKVCache:
-    """A cache of `cls` holding `state` under `policy`."""
+def cache_of(cls, policy: Policy, state: CacheState, keeps_view: bool = True) -> H2OKVCache:
+    """A cache of `cls` holding `state` under `policy` (the same arrays: nothing is copied)."""
     return cls(policy.config, policy.argmin, state=state, prompt=policy.prompt, kv_bits=policy.kv.bits,
                kv_group_size=policy.kv.group_size, keeps_view=keeps_view)
 
@@ -490,7 +490,7 @@ class BatchH2OKVCache(H2OKVCache):
         """Batch row `idx` as a single-prompt cache (its staged decode tokens stay staged)."""
         row = cache_state.take_batch(self.ready("extract"), [idx])
         state = CacheState(every=self.evict_every) if self._s.core is None else row._replace(to_come=None)
-        return _of(H2OKVCache, self.policy, state, self.keeps_view)
+        return cache_of(H2OKVCache, self.policy, state, self.keeps_view)
 
     def unbatched(self) -> List[H2OKVCache]:
         """Every batch row as a single-prompt cache."""

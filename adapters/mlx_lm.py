@@ -64,7 +64,8 @@ def _build(model: nn.Module, configs: List[H2OConfig], argmin, every: Sequence[i
            prompt: Prompt, kv: Storage) -> List[Any]:
     """The model's own caches with H2O in every full-attention layer (configs and
     evict_every in layer order)."""
-    per_layer, shared = iter(zip(configs, every)), shares_kv(model)
+    own = _model_caches(model)
+    per_layer, shared = iter(zip(configs, every)), shares_kv(model, own)
 
     def h2o():
         config, k = next(per_layer)
@@ -88,7 +89,7 @@ def _build(model: nn.Module, configs: List[H2OConfig], argmin, every: Sequence[i
         c.caches = tuple(members)
         return c
 
-    return [convert(c) for c in _model_caches(model)]
+    return [convert(c) for c in own]
 
 
 def h2o_caches(caches: Sequence[Any]) -> List[H2OKVCache]:
@@ -184,10 +185,19 @@ def use_h2o(model: nn.Module, config: Optional[H2OConfig] = None,
     return undo
 
 
-def shares_kv(model: nn.Module) -> bool:
+def shares_kv(model: nn.Module, caches: Optional[List[Any]] = None) -> bool:
     """Whether some of the model's layers may attend to another layer's cache (afm7's KV-reuse
-    layers, gemma3n's KV-shared ones read `keys_and_values()`): it has more layers than caches."""
-    return len(model.layers) > len(_model_caches(model))
+    layers, gemma3n's KV-shared ones read `keys_and_values()`): it has more layers than caches
+    (`caches`: the model's own, when the caller built them already)."""
+    return len(model.layers) > len(_model_caches(model) if caches is None else caches)
+
+
+def keep_views(caches: List[Any], model: nn.Module) -> None:
+    """Set `keeps_view` on every H2O layer of `caches` for `model` (`shares_kv`): caches loaded
+    from files, which do not record it."""
+    shared = shares_kv(model)
+    for c in h2o_caches(caches):
+        c.keeps_view = shared
 
 
 def _model_caches(model: nn.Module) -> List[Any]:

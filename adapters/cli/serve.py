@@ -32,8 +32,8 @@ from h2o_fn import H2OConfig
 
 from .. import allocation
 from ..at_rest import PackedH2OKVCache, h2o_layers, pack_layers, unpack_layers
-from ..cache import H2OKVCache
-from ..mlx_lm import h2o_caches, shares_kv, use_h2o
+from ..cache import H2OKVCache, cache_of
+from ..mlx_lm import h2o_caches, keep_views, use_h2o
 from ..retention import cache_prompt, repeat_prefix
 from . import common, serve_compat, serve_requests
 
@@ -378,10 +378,8 @@ class H2OPromptCache(LRUPromptCache):
         returns how many are held."""
         if self.store is None:
             return 0
-        shared = shares_kv(provider_model)
         for loaded in self.store.load(provider_model):
-            for c in h2o_caches(loaded.cache):  # files do not record it: the served model decides
-                c.keeps_view = shared
+            keep_views(loaded.cache, provider_model)
             self.insert_cache(model, loaded.tokens, loaded.cache, cache_type=loaded.cache_type, persist=False)
         held = len(serve_compat.held_entries(self, model))
         files, size = self.store.usage()
@@ -432,9 +430,7 @@ def share(prompt_cache: List[Any]) -> List[Any]:
         if isinstance(c, PackedH2OKVCache):
             return c.unpack()
         if isinstance(c, H2OKVCache):
-            return type(c)(c.config, c.argmin, state=c.layer_state, prompt=c.policy.prompt,
-                           kv_bits=c.policy.kv.bits, kv_group_size=c.policy.kv.group_size,
-                           keeps_view=c.keeps_view)
+            return cache_of(type(c), c.policy, c.layer_state, c.keeps_view)
         return copy.deepcopy(c)
 
     return [continued(c) for c in prompt_cache]
