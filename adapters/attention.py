@@ -25,6 +25,10 @@ they do, never by their class:
 - a cache with an `attention_mask(N, mask)` method may replace the mask mlx-lm built
   once per forward pass from layer 0 (layers whose kept rows differ from layer 0's), also
   by a mask per KV head `[B, H, 1, N, L]` (heads holding reserved slots);
+- a cache with `weights_per_slice` = W (an int) is attended a slice of queries at a time,
+  each slice evaluated before the next, so that at most about W weights `[B, Hq, S, L]`
+  are alive instead of the whole pass's `[B, Hq, N, L]` (attention is separable by
+  query: the output is the same); `receive_weights` is then called once per slice;
 - every other cache falls through to the original function untouched.
 
 `query_scoring(model)` installs it for a `with` block and always removes it;
@@ -185,39 +189,73 @@ def _proxy_of(cache, queries, keys, sinks):
     return rows
 
 
+def _slice_mask(mask, N: int, L: int, a: int, b: int):
+    """The mask of queries a..b-1 of N (over L keys): "causal" becomes the boolean rows it means."""
+    if isinstance(mask, str):
+        return mx.arange(L - N + a, L - N + b)[:, None] >= mx.arange(L)[None]
+    if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == N:
+        return mask[..., a:b, :]
+    return mask
+
+
+def _in_slices(attend, queries, keys, mask, S: int):
+    """`attend(queries, mask)` for S queries at a time, each slice evaluated before the next
+    (so one slice's `[B, Hq, S, L]` logits and weights are alive at a time), outputs joined
+    along the queries: attention is separable by query, so the output is the same."""
+    N, L = queries.shape[2], storage.parts(keys)[0].shape[2]
+    outs = []
+    for a in range(0, N, S):
+        b = min(a + S, N)
+        outs.append(attend(queries[:, :, a:b], _slice_mask(mask, N, L, a, b)))
+        mx.eval(outs[-1])
+    return mx.concatenate(outs, axis=2)
+
+
+def _hooked(original, reduce: str, queries, keys, values, cache, scale, mask, sinks):
+    """The hook's attention for one cache, its own mask already applied (`_hook`)."""
+    # keys and values as given to attention: arrays, or mx.quantize's triples (a list from some caches)
+    k, v = (tuple(x) if isinstance(x, list) else x for x in (keys, values))
+    wants, proxy = getattr(cache, "wants_weights", False), _proxy_of(cache, queries, k, sinks)
+    if (wants or proxy is not None) and cache.can_take(keys):
+        bits, group = getattr(cache, "bits", None), getattr(cache, "group_size", 64)
+        mlx_lm_attention = lambda: original(queries, keys, values, cache=cache, scale=scale,  # noqa: E731
+                                            mask=for_queries(mask, queries.shape[1], bits is not None),
+                                            sinks=sinks)
+        if not wants:
+            if storage.parts(k)[0].shape[2] <= FUSED_UP_TO:
+                out, logits = mlx_lm_attention(), storage.matmul_t(proxy, k, bits, group)
+            else:
+                out, logits = attention_with_proxy(queries, k, v, scale, mask, proxy, bits, group)
+            cache.receive_proxy(logits)
+            return out
+        N = queries.shape[2]
+        M = cache.scored_queries(N) if hasattr(cache, "scored_queries") else N
+        if M < N:  # mlx-lm's attention for the output, explicit weights of the M that score
+            out = mlx_lm_attention()
+            weights = attention_with_weights(queries[:, :, N - M :], k, v, scale, _last_rows(mask, M), sinks,
+                                             bits, group)[1]
+        else:
+            out, weights = attention_with_weights(queries, k, v, scale, mask, sinks, bits, group)
+        how = getattr(cache, "weights_reduce", reduce)  # "none": every query head's weights
+        cache.receive_weights(weights if how == "none" else per_kv_head(weights, cache.kv_heads, how))
+        return out
+    return original(queries, keys, values, cache=cache, scale=scale,
+                    mask=for_queries(mask, queries.shape[1], hasattr(cache, "bits")), sinks=sinks)
+
+
 def _hook(original, reduce: str):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         own_mask = getattr(cache, "attention_mask", None)
         if own_mask is not None:
             mask = own_mask(queries.shape[2], mask)
-        # keys and values as given to attention: arrays, or mx.quantize's triples (a list from some caches)
-        k, v = (tuple(x) if isinstance(x, list) else x for x in (keys, values))
-        wants, proxy = getattr(cache, "wants_weights", False), _proxy_of(cache, queries, k, sinks)
-        if (wants or proxy is not None) and cache.can_take(keys):
-            bits, group = getattr(cache, "bits", None), getattr(cache, "group_size", 64)
-            mlx_lm_attention = lambda: original(queries, keys, values, cache=cache, scale=scale,  # noqa: E731
-                                                mask=for_queries(mask, queries.shape[1], bits is not None),
-                                                sinks=sinks)
-            if not wants:
-                if storage.parts(k)[0].shape[2] <= FUSED_UP_TO:
-                    out, logits = mlx_lm_attention(), storage.matmul_t(proxy, k, bits, group)
-                else:
-                    out, logits = attention_with_proxy(queries, k, v, scale, mask, proxy, bits, group)
-                cache.receive_proxy(logits)
-                return out
-            N = queries.shape[2]
-            M = cache.scored_queries(N) if hasattr(cache, "scored_queries") else N
-            if M < N:  # mlx-lm's attention for the output, explicit weights of the M that score
-                out = mlx_lm_attention()
-                weights = attention_with_weights(queries[:, :, N - M :], k, v, scale, _last_rows(mask, M), sinks,
-                                                 bits, group)[1]
-            else:
-                out, weights = attention_with_weights(queries, k, v, scale, mask, sinks, bits, group)
-            how = getattr(cache, "weights_reduce", reduce)  # "none": every query head's weights
-            cache.receive_weights(weights if how == "none" else per_kv_head(weights, cache.kv_heads, how))
-            return out
-        return original(queries, keys, values, cache=cache, scale=scale,
-                        mask=for_queries(mask, queries.shape[1], hasattr(cache, "bits")), sinks=sinks)
+        attend = lambda q, m: _hooked(original, reduce, q, keys, values, cache, scale, m, sinks)  # noqa: E731
+        most = getattr(cache, "weights_per_slice", None)
+        if most is not None:  # memory of one slice's weights, not the pass's
+            B, Hq, N = queries.shape[:3]
+            S = max(most // (B * Hq * storage.parts(keys)[0].shape[2]), 1)
+            if N > S:
+                return _in_slices(attend, queries, keys, mask, S)
+        return attend(queries, mask)
 
     scaled_dot_product_attention.h2o_original = original
     scaled_dot_product_attention.h2o_reduce = reduce

@@ -11,9 +11,11 @@ the model makes two passes:
    `h2o_fn.retention` (KVzip's rule: the largest weight any repeat query pays a key).
    The repeat tokens' own keys and values are thrown away.
 
-Then each H2O layer absorbs the chunk with those scores (`prefill.absorb_scored`) and is
-back at its budget. Peak KV memory: budget + one chunk + its repeat, per layer,
-whatever the prompt's length. Layers that are not H2O (sliding-window caches) take the
+Both passes attend a slice of queries at a time (`weights_per_slice`: the hook's
+protocol), so a layer's attention weights never exceed SLICE floats, however many rows
+a layer keeps. Then each H2O layer absorbs the chunk with those scores
+(`prefill.absorb_scored`) and is back at its budget. Peak memory: the kept rows + one
+chunk + its repeat per layer, plus one slice's weights, whatever the prompt's length. Layers that are not H2O (sliding-window caches) take the
 chunk as usual and read the repeat pass through a throwaway copy.
 
 Example:
@@ -44,6 +46,7 @@ from .cache import H2OKVCache
 # what the repeat pass is told before the chunk is read again (KVzip's instruction, shortened)
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
 CHUNK = 512  # prompt tokens read (and scored) per chunk
+SLICE = 2**20  # at most this many attention weights (float32) per slice of queries, in both passes
 # how cache_prompt spreads the budget: by the share kept, across layers and heads, across each
 # layer's heads, or per head
 BUDGETS = ("auto", "global", "layer", "uniform")
@@ -63,6 +66,7 @@ class ScoringPass:
     hook's protocol) and turns them into `scores` `[B, H, K + N]`."""
 
     weights_reduce = "none"  # the hook hands the weights of every query head: KVzip takes the max
+    weights_per_slice = SLICE  # the hook attends a slice of queries at a time (memory: BENCHMARKS, peak)
 
     def __init__(self, cache: H2OKVCache):
         self.cache = cache
@@ -113,11 +117,12 @@ class ScoringPass:
         return self.wants_weights and keys.shape[1] == self.kv_heads
 
     def receive_weights(self, weights: mx.array) -> None:
-        """The repeat pass's weights `[B, Hq, N, L]` over kept rows, chunk and repeat tokens."""
+        """The repeat pass's weights `[B, Hq, S, L]` over kept rows, chunk and repeat tokens, for
+        one slice of its queries at a time (`weights_per_slice`): each key keeps its largest."""
         context = self.span + self.chunk[0].shape[2]
-        self.scores = retention.aggregate(weights[..., :context], self.kv_heads)
-        mx.eval(self.scores)  # now: left lazy, every layer's weights would stay alive until the pass ends
-        self.wants_weights = False
+        scores = retention.aggregate(weights[..., :context], self.kv_heads)
+        self.scores = scores if self.scores is None else mx.maximum(self.scores, scores)
+        mx.eval(self.scores)  # now: left lazy, every slice's weights would stay alive until the pass ends
 
     def absorb(self) -> None:
         """The chunk into the H2O cache with the scores of the repeat pass (a uniform budget per head)."""
@@ -219,7 +224,7 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
         slots follow its fullest head, so the cap bounds the bytes a selection can take.
 
     Returns `cache`, for chaining. Costs about two prefills (the repeat pass attends over
-    budget + chunk rows and materialises its weights, `[Hq, chunk, budget + 2 chunk]` per layer).
+    the kept rows and the chunk and materialises its weights, SLICE floats at a time).
     """
     ids = [int(t) for t in prompt_ids]
     if not ids:

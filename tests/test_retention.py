@@ -14,7 +14,7 @@ from h2o_fn import reference as ref
 from h2o_fn import retention, view
 from h2o_fn.adapters.attention import remove_query_hook
 from h2o_fn.adapters.mlx_lm import H2OKVCache, cache_prompt, h2o_caches, make_h2o_cache
-from h2o_fn.adapters.retention import LAYER_FROM, spread_for
+from h2o_fn.adapters.retention import LAYER_FROM, ScoringPass, spread_for
 
 from helpers import assert_matches
 from tiny_models import tiny_model
@@ -232,6 +232,25 @@ def test_a_cap_bounds_every_head_and_so_every_layers_slots(llama):
     assert sum(sum(c.tokens_per_head[0]) for c in capped) == cfg.budget * capped[0].kv_heads * len(capped)
     assert all(max(c.tokens_per_head[0]) <= cap and c.config.budget <= cap + tail for c in capped)
     assert sum(c.nbytes for c in capped) < sum(c.nbytes for c in free)
+
+
+@pytest.mark.parametrize("budgets", ["global", "uniform"])
+def test_attending_in_slices_of_queries_changes_nothing(llama, monkeypatch, budgets):
+    """Both passes attend a slice of queries at a time (`weights_per_slice`) (the peak holds one slice's
+    weights, not a chunk's): the kept sets, the scores and the next logits are those of
+    whole chunks, also where later chunks' kept heads hold reserved slots (masks per head)."""
+    cfg = H2OConfig(budget=12, n_sink=1, grace=2)
+    runs = []
+    for most in (None, 5 * 4 * 40):  # slices of ~5 queries (4 query heads, up to 40 keys)
+        monkeypatch.setattr(ScoringPass, "weights_per_slice", most)
+        cache = make_h2o_cache(llama, cfg)
+        cache_prompt(llama, PROMPT, cache, repeat_prefix=[3, 4], chunk_size=16, budgets=budgets)
+        runs.append((cache, [kept_positions(c.core_state) for c in cache], _next_logits(llama, cache, [5, 6])))
+    (whole, kept, logits), (sliced, kept_s, logits_s) = runs
+    assert all(mx.array_equal(a, b) for a, b in zip(kept, kept_s))
+    for a, b in zip(whole, sliced):
+        assert mx.allclose(a.core_state.scores, b.core_state.scores, atol=1e-6)
+    assert mx.allclose(logits, logits_s, atol=1e-4, rtol=1e-4)
 
 
 def test_reserved_slots_are_never_attended(llama):
