@@ -208,7 +208,7 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
         is continued: the prompt follows them, and kept tokens can lose their place to it.
       repeat_prefix: token ids read before each chunk's repeat (the instruction, e.g.
         `tokenizer.encode(REPEAT_PROMPT)`); empty: the chunk is simply read again.
-      chunk_size: prompt tokens per chunk; peak KV memory is budget + 2 * chunk + prefix.
+      chunk_size: prompt tokens per chunk; peak KV memory per layer is its kept rows + 2 * chunk + prefix.
       budgets: "auto" (default): "layer" when each head's budget is at least `LAYER_FROM`
         of the tokens read (those the cache holds and `prompt_ids`), else "global".
         "global": one selection over every layer and KV head keeps the caches' budgets

@@ -50,8 +50,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ignore-chat-template", action="store_true",
                         help="cache the prompt as raw text, without the tokenizer's chat template")
     parser.add_argument("--chunk-size", type=int, default=CHUNK,
-                        help=f"prompt tokens read and scored per chunk; peak KV memory is about budget + "
-                        f"2 x chunk per layer (default {CHUNK})")
+                        help=f"prompt tokens read and scored per chunk; peak memory is about each layer's kept "
+                        f"rows + 2 x chunk, plus one slice of attention weights (default {CHUNK})")
     parser.add_argument("--budgets", choices=BUDGETS, default=BUDGETS[0],
                         help="auto (default): layer when --budget is at least a quarter of the prompt, else "
                         "global; global: one selection over every layer and KV head keeps --budget x heads x "
