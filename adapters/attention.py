@@ -28,7 +28,8 @@ they do, never by their class:
 - a cache with `weights_per_slice` = W (an int) is attended a slice of queries at a time,
   each slice evaluated before the next, so that at most about W weights `[B, Hq, S, L]`
   are alive instead of the whole pass's `[B, Hq, N, L]` (attention is separable by
-  query: the output is the same); `receive_weights` is then called once per slice;
+  query: the output is the same); `receive_weights` is then called once per slice (for
+  caches whose every query scores: `scored_queries` counts a slice's queries, not the pass's);
 - every other cache falls through to the original function untouched.
 
 `query_scoring(model)` installs it for a `with` block and always removes it;
