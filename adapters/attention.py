@@ -199,11 +199,15 @@ def _slice_mask(mask, N: int, L: int, a: int, b: int):
     return mask
 
 
-def _in_slices(attend, queries, keys, mask, S: int):
-    """`attend(queries, mask)` for S queries at a time, each slice evaluated before the next
-    (so one slice's `[B, Hq, S, L]` logits and weights are alive at a time), outputs joined
-    along the queries: attention is separable by query, so the output is the same."""
-    N, L = queries.shape[2], storage.parts(keys)[0].shape[2]
+def _in_slices(attend, queries, keys, mask, most: int):
+    """`attend(queries, mask)` for S queries at a time, S the most whose weights `[B, Hq, S, L]`
+    number at most `most` (at least 1), each slice evaluated before the next (so one slice's
+    logits and weights are alive at a time), outputs joined along the queries: attention is
+    separable by query, so the output is the same."""
+    (B, Hq, N), L = queries.shape[:3], storage.parts(keys)[0].shape[2]
+    S = max(most // (B * Hq * L), 1)
+    if N <= S:
+        return attend(queries, mask)
     outs = []
     for a in range(0, N, S):
         b = min(a + S, N)
@@ -252,10 +256,7 @@ def _hook(original, reduce: str):
         attend = lambda q, m: _hooked(original, reduce, q, keys, values, cache, scale, m, sinks)  # noqa: E731
         most = getattr(cache, "weights_per_slice", None)
         if most is not None:  # memory of one slice's weights, not the pass's
-            B, Hq, N = queries.shape[:3]
-            S = max(most // (B * Hq * storage.parts(keys)[0].shape[2]), 1)
-            if N > S:
-                return _in_slices(attend, queries, keys, mask, S)
+            return _in_slices(attend, queries, keys, mask, most)
         return attend(queries, mask)
 
     scaled_dot_product_attention.h2o_original = original

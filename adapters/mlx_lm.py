@@ -192,10 +192,9 @@ def shares_kv(model: nn.Module, caches: Optional[List[Any]] = None) -> bool:
     return len(model.layers) > len(_model_caches(model) if caches is None else caches)
 
 
-def keep_views(caches: List[Any], model: nn.Module) -> None:
-    """Set `keeps_view` on every H2O layer of `caches` for `model` (`shares_kv`): caches loaded
-    from files, which do not record it."""
-    shared = shares_kv(model)
+def keep_views(caches: List[Any], shared: bool) -> None:
+    """Set `keeps_view` to `shared` (`shares_kv` of the model that reads them) on every H2O
+    layer of `caches`: caches loaded from files, which do not record it."""
     for c in h2o_caches(caches):
         c.keeps_view = shared
 

@@ -12,8 +12,8 @@ the model makes two passes:
    The repeat tokens' own keys and values are thrown away.
 
 Both passes attend a slice of queries at a time (`weights_per_slice`: the hook's
-protocol), so a layer's attention weights never exceed SLICE floats, however many rows
-a layer keeps. Then each H2O layer absorbs the chunk with those scores
+protocol), so a layer's attention weights stay within SLICE floats (one query's at the
+least), however many rows a layer keeps. Then each H2O layer absorbs the chunk with those scores
 (`prefill.absorb_scored`) and is back at its budget. Peak memory: the kept rows + one
 chunk + its repeat per layer, plus one slice's weights, whatever the prompt's length.
 Layers that are not H2O (sliding-window caches) take the chunk as usual and read the

@@ -30,7 +30,7 @@ from h2o_fn import storage
 from ..at_rest import unpack_layers
 from ..attention import query_scoring
 from ..export import to_kvcache
-from ..mlx_lm import h2o_caches, keep_views, make_h2o_cache
+from ..mlx_lm import h2o_caches, keep_views, make_h2o_cache, shares_kv
 from ..metrics import describe_kept, kept_summary
 from ..retention import BUDGETS, CHUNK, TAIL, cache_prompt, repeat_prefix
 from . import common
@@ -163,7 +163,7 @@ def load(path: str, model, model_spec: Optional[str]):
     except Exception as e:  # safetensors or mlx-lm's class lookup: the file is not a prompt cache
         raise ValueError(f"--prompt-cache-file {path} is not a prompt-cache file "
                          f"(expected one from h2o-fn cache-prompt or mlx_lm.cache_prompt): {e}") from None
-    keep_views(cache, model)
+    keep_views(cache, shares_kv(model))
     want = common.model_name(model_spec)
     if meta.get("model") not in (None, want):
         raise ValueError(f"--prompt-cache-file {path} was written for model {meta['model']!r}: "

@@ -33,7 +33,7 @@ from h2o_fn import H2OConfig
 from .. import allocation
 from ..at_rest import PackedH2OKVCache, h2o_layers, pack_layers, unpack_layers
 from ..cache import H2OKVCache, cache_of
-from ..mlx_lm import h2o_caches, keep_views, use_h2o
+from ..mlx_lm import h2o_caches, keep_views, shares_kv, use_h2o
 from ..retention import cache_prompt, repeat_prefix
 from . import common, serve_compat, serve_requests
 
@@ -378,8 +378,9 @@ class H2OPromptCache(LRUPromptCache):
         returns how many are held."""
         if self.store is None:
             return 0
+        shared = shares_kv(provider_model)  # the model's caches are built to count them: once, not per entry
         for loaded in self.store.load(provider_model):
-            keep_views(loaded.cache, provider_model)
+            keep_views(loaded.cache, shared)
             self.insert_cache(model, loaded.tokens, loaded.cache, cache_type=loaded.cache_type, persist=False)
         held = len(serve_compat.held_entries(self, model))
         files, size = self.store.usage()
