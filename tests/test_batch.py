@@ -76,8 +76,10 @@ def test_each_row_evicts_on_its_own_positions(model, scoring, prefill, kv_bits, 
             a.flush(), b.flush()  # staged tokens scored in both (evict_every > 1)
             assert a.tokens_kept == cfg.budget and check_invariants(a.core_state, cfg) == []
             assert mx.array_equal(kept_positions(a.core_state), kept_positions(b.core_state))
+            # a batch's products and one row's are summed in different orders by a blocked BLAS
+            # (OpenBLAS, adapters/blas.py): 3e-4 apart after 8-bit rows, bit-equal with the reference BLAS
             np.testing.assert_allclose(np.array(a.core_state.scores), np.array(b.core_state.scores),
-                                       rtol=1e-5, atol=1e-6)
+                                       rtol=1e-3, atol=1e-6)
 
 
 def test_rows_inserted_later_and_caches_with_history(model):

@@ -8,10 +8,11 @@ budget=N)` derives them), and a value the user gives is used as given (a bad com
 is the config's own ValueError, shown as an argparse error). With every flag at its
 default, a command's caches hold exactly `make_h2o_cache(model, budget=N)`'s policy.
 
-mlx's Linux wheel links a reference BLAS; Debian's OpenBLAS, preloaded, makes float
-matmuls 10-30x faster on this kind of CPU. A process cannot preload into itself, so
-`reexec_with_openblas` re-executes the command once with LD_PRELOAD set, and every
-eval/bench run prints and records which BLAS it used. Tests never use it.
+mlx's Linux wheel links a reference BLAS; OpenBLAS, preloaded, makes float matmuls
+10-30x faster on this kind of CPU: Debian's when installed (`make openblas`), else the
+stand-in `make setup` builds from PyPI's (`adapters/blas.py`). A process cannot preload
+into itself, so `reexec_with_openblas` re-executes the command once with LD_PRELOAD set,
+and every eval/bench run prints and records which BLAS it used.
 """
 
 import argparse
@@ -30,6 +31,7 @@ from h2o_fn.allocation import POLICIES
 from h2o_fn.config import PREFILLS, SCORINGS
 from h2o_fn.storage import KV_BITS, KV_GROUP_SIZES
 
+from .. import blas
 from ..allocation import DEFAULT_ALLOCATION
 from ..mlx_lm import DEFAULT_CONFIG, DEFAULT_PROMPT, cache_policy, recommended
 from ..staging import check_every
@@ -236,8 +238,9 @@ def storage_or_error(parser: argparse.ArgumentParser, bits: Optional[int], group
 
 
 def openblas_path() -> Optional[str]:
+    """Debian's OpenBLAS when installed, else the PyPI one's stand-in (`adapters/blas.py`), else None."""
     found = sorted(glob.glob("/usr/lib/*/openblas-pthread/libopenblas.so.0"))
-    return found[0] if found else None
+    return found[0] if found else blas.built()
 
 
 def openblas_coretype() -> str:
