@@ -8,7 +8,8 @@ the model makes two passes:
 2. a repeat pass: an optional instruction (`repeat_prefix`, e.g. "Repeat the previous
    context") and the chunk again, teacher-forced. Its attention weights over the kept
    rows and the chunk are collected explicitly (the attention hook) and scored by
-   `h2o_fn.retention` (KVzip's rule: the largest weight any repeat query pays a key).
+   `h2o_fn.retention` (KVzip's rule: the largest weight any repeat query pays a key),
+   then pooled over the chunk (`POOL` tokens: a kept token keeps its neighbours).
    The repeat tokens' own keys and values are thrown away.
 
 Both passes attend a slice of queries at a time (`weights_per_slice`: the hook's
@@ -53,6 +54,7 @@ SLICE = 2**20  # at most this many attention weights (float32) per slice of quer
 BUDGETS = ("auto", "global", "layer", "uniform")
 LAYER_FROM = 0.25  # "auto": per layer once a head's budget is this share of the tokens read (BENCHMARKS)
 TAIL = 32  # with budgets="global": new tokens each head takes after the prompt before evicting again
+POOL = 5  # each chunk token scored at least as its neighbours within 2 places (BENCHMARKS, "Natural text")
 
 
 def repeat_prefix(tokenizer) -> List[int]:
@@ -69,8 +71,8 @@ class ScoringPass:
     weights_reduce = "none"  # the hook hands the weights of every query head: KVzip takes the max
     weights_per_slice = SLICE  # the hook attends a slice of queries at a time (memory: BENCHMARKS, peak)
 
-    def __init__(self, cache: H2OKVCache):
-        self.cache = cache
+    def __init__(self, cache: H2OKVCache, pool: int = POOL):
+        self.cache, self.pool = cache, pool
         cache.compact()
         s = cache.layer_state
         self.span = max(s.lengths, default=0)  # the kept rows (and reserved slots) are the first `span` slots
@@ -147,7 +149,7 @@ class ScoringPass:
         if self.scores is None:
             raise RuntimeError("the repeat pass never handed its attention weights to this layer: "
                                "its attention does not go through mlx_lm's scaled_dot_product_attention")
-        return self.scores
+        return retention.pool(self.scores, self.pool, self.span)
 
 
 def _layers(cache: Sequence[Any]) -> List[Any]:
@@ -200,7 +202,7 @@ def absorb_passes(passes: List[ScoringPass], budgets: str, tail: int, cap: Optio
 
 def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], *,
                  repeat_prefix: Sequence[int] = (), chunk_size: int = CHUNK, budgets: str = "auto",
-                 tail: int = TAIL, cap: Optional[int] = None) -> List[Any]:
+                 tail: int = TAIL, cap: Optional[int] = None, pool: int = POOL) -> List[Any]:
     """Feed `prompt_ids` into `cache` (from `make_h2o_cache`) scored for questions not yet
     asked: afterwards every H2O layer and head holds at most its budget.
 
@@ -223,6 +225,8 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
         takes after the prompt before the rule evicts again.
       cap: with "global", at most this many tokens per head (None: no bound). A layer's
         slots follow its fullest head, so the cap bounds the bytes a selection can take.
+      pool: each chunk token's score is the largest within `pool // 2` places of it (odd;
+        1: KVzip's scores as they are), so that kept tokens keep their neighbours.
 
     Returns `cache`, for chaining. Costs about two prefills (the repeat pass attends over
     the kept rows and the chunk and materialises its weights, SLICE floats at a time).
@@ -236,10 +240,13 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
         raise ValueError(f"budgets={budgets!r} is invalid: expected one of {BUDGETS}")
     if tail < 1:
         raise ValueError(f"tail={tail} is invalid: expected >= 1 (slots for the tokens after the prompt)")
+    if pool < 1 or pool % 2 == 0:
+        raise ValueError(f"pool={pool} is invalid: expected an odd number >= 1 (1: no pooling)")
     layers = _layers(cache)
     budgets = spread_for(layers, len(ids), budgets)
     for start in range(0, len(ids), chunk_size):
-        absorb_passes(score_chunk(model, ids[start : start + chunk_size], layers, repeat_prefix), budgets, tail, cap)
+        passes = score_chunk(model, ids[start : start + chunk_size], layers, repeat_prefix, pool)
+        absorb_passes(passes, budgets, tail, cap)
         mx.eval([c.state for c in layers])
     return cache
 
@@ -255,7 +262,7 @@ def spread_for(layers: Sequence[Any], n: int, budgets: str = "auto") -> str:
 
 
 def score_chunk(model: nn.Module, chunk: Sequence[int], layers: List[Any],
-                repeat_prefix: Sequence[int] = ()) -> List[ScoringPass]:
+                repeat_prefix: Sequence[int] = (), pool: int = POOL) -> List[ScoringPass]:
     """`cache_prompt`'s two passes over one chunk: the layers that are not H2O take it as
     usual; each H2O layer's `ScoringPass` holds the chunk's keys and values and the repeat
     pass's scores, nothing absorbed yet (`ScoringPass.absorb`, or `select_across` for
@@ -263,7 +270,7 @@ def score_chunk(model: nn.Module, chunk: Sequence[int], layers: List[Any],
     prefix = [int(t) for t in repeat_prefix]
     chunk = [int(t) for t in chunk]
     with query_scoring(model):
-        probes = [ScoringPass(c) if isinstance(c, H2OKVCache) else c for c in layers]
+        probes = [ScoringPass(c, pool) if isinstance(c, H2OKVCache) else c for c in layers]
         model(mx.array(chunk)[None], cache=probes)
         mx.eval([p.chunk for p in probes if isinstance(p, ScoringPass)],
                 [c.state for c in layers if not isinstance(c, H2OKVCache)])

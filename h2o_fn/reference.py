@@ -281,6 +281,16 @@ def aggregate(weights, kv_heads: int) -> np.ndarray:
     return out
 
 
+def pool(scores, window: int, start: int = 0) -> np.ndarray:
+    """`[B, H, L]`: from `start` on, the largest score among those from `start` on within
+    `window // 2` places; before `start` unchanged."""
+    scores = np.asarray(scores, np.float64)
+    out, r, L = scores.copy(), window // 2, scores.shape[-1]
+    for j in range(start, L):
+        out[..., j] = scores[..., max(start, j - r) : min(L, j + r + 1)].max(axis=-1)
+    return out
+
+
 def chunk_scores(state: RefState, scores, span=None) -> List[List[dict]]:
     """New scores by position per (b, h): `scores[b, h, p]` for the chunk's positions
     (p >= seen[b]), max(old score, scores[b, h, p]) for a kept token at position p."""

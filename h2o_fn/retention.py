@@ -12,6 +12,9 @@ The model passes live in the adapter (`h2o_fn.adapters.retention`); this module 
 the pure parts, with twins of the same names in `h2o_fn.reference`:
 
 - `aggregate`: the repeat pass's weights `[B, Hq, N, L]` -> one score per key `[B, H, L]`;
+- `pool`: each chunk token's score raised to the largest of its neighbours' (a window of
+  `window` tokens centred on it), so that a kept token keeps the tokens around it: a pass
+  key's digits are kept together (BENCHMARKS, "Natural text");
 - `chunk_scores`: those scores over (kept rows, chunk) -> the core's `[B, H, C + N]`
   layout for `absorb_scored`, raising each kept token's score to its new one (max).
 
@@ -44,6 +47,26 @@ def aggregate(weights: mx.array, kv_heads: int) -> mx.array:
         raise ValueError(f"{Hq} query heads is invalid for kv_heads={kv_heads}: expected a multiple")
     w = weights.astype(mx.float32).reshape(B, kv_heads, (Hq // kv_heads) * N, L)
     return mx.max(w, axis=2)
+
+
+def pool(scores: mx.array, window: int, start: int = 0) -> mx.array:
+    """Scores `[B, H, L]` -> `[B, H, L]`: from `start` on (the chunk: consecutive positions),
+    each the largest score within `window // 2` places of it, among those from `start` on;
+    the first `start` (kept rows, not neighbours of each other) as they are. `window` 1: unchanged.
+
+    >>> pool(mx.array([[[9.0, 0.0, 0.0, 5.0, 0.0, 0.0, 1.0]]]), 3, start=1).tolist()
+    [[[9.0, 0.0, 5.0, 5.0, 5.0, 1.0, 1.0]]]
+    """
+    if window < 1 or window % 2 == 0:
+        raise ValueError(f"window={window} is invalid: expected an odd number >= 1")
+    if not 0 <= start <= scores.shape[-1]:
+        raise ValueError(f"start={start} is invalid for {scores.shape[-1]} scores: expected 0..{scores.shape[-1]}")
+    r, N = window // 2, scores.shape[-1] - start
+    if r == 0 or N == 0:
+        return scores
+    chunk = mx.pad(scores[..., start:], [(0, 0), (0, 0), (r, r)], constant_values=-mx.inf)
+    pooled = mx.max(mx.stack([chunk[..., i : i + N] for i in range(2 * r + 1)]), axis=0)
+    return mx.concatenate([scores[..., :start], pooled], axis=-1)
 
 
 def chunk_scores(state: H2OState, scores: mx.array, span: int) -> mx.array:

@@ -31,6 +31,23 @@ def test_aggregate_equals_its_reference_twin(B, heads, N, L, seed):
     np.testing.assert_allclose(np.array(got), ref.aggregate(w, H), rtol=0, atol=0)
 
 
+@settings(max_examples=25)
+@given(st.integers(1, 2), st.integers(1, 3), st.integers(0, 9), st.sampled_from([1, 3, 5, 7]), st.data())
+def test_pool_equals_its_reference_twin(B, H, L, window, data):
+    start = data.draw(st.integers(0, L))
+    s = np.random.default_rng(L * 7 + window).random((B, H, L)).astype(np.float32)
+    got = np.array(retention.pool(mx.array(s), window, start))
+    np.testing.assert_array_equal(got, ref.pool(s, window, start))
+    assert (got >= s).all() and (got[..., :start] == s[..., :start]).all()
+
+
+def test_pool_rejects_an_even_window_and_a_start_past_the_scores():
+    with pytest.raises(ValueError, match="window=4 is invalid: expected an odd number"):
+        retention.pool(mx.zeros((1, 1, 5)), 4)
+    with pytest.raises(ValueError, match="start=6 is invalid for 5 scores"):
+        retention.pool(mx.zeros((1, 1, 5)), 3, start=6)
+
+
 def test_aggregate_rejects_a_head_count_that_does_not_divide():
     with pytest.raises(ValueError, match="3 query heads is invalid for kv_heads=2"):
         retention.aggregate(mx.zeros((1, 3, 2, 4)), 2)
@@ -320,6 +337,22 @@ def test_one_scoring_of_a_one_chunk_prompt_serves_every_budget(llama):
         passes[0].onto(want[0])
 
 
+@pytest.mark.parametrize("budgets", ["global", "uniform"])
+def test_each_chunks_scores_are_pooled_before_the_selection(llama, monkeypatch, budgets):
+    """cache_prompt(pool=5) keeps what an unpooled pass keeps once its chunk scores (not the
+    kept rows' before them) are pooled by the reference; pool=1 is KVzip's scores as they are."""
+    cfg = H2OConfig(budget=12, n_sink=1, grace=2)
+    pooled = cache_prompt(llama, PROMPT, make_h2o_cache(llama, cfg), chunk_size=16, budgets=budgets, pool=5)
+    raw = cache_prompt(llama, PROMPT, make_h2o_cache(llama, cfg), chunk_size=16, budgets=budgets, pool=1)
+    original = ScoringPass._scores
+    monkeypatch.setattr(ScoringPass, "_scores", lambda p: mx.array(ref.pool(
+        np.array(original(p)), 5, p.span).astype(np.float32)))
+    by_hand = cache_prompt(llama, PROMPT, make_h2o_cache(llama, cfg), chunk_size=16, budgets=budgets, pool=1)
+    kept = [[kept_positions(c.core_state) for c in cache] for cache in (pooled, raw, by_hand)]
+    assert all(mx.array_equal(a, b) for a, b in zip(kept[0], kept[2]))
+    assert not all(mx.array_equal(a, b) for a, b in zip(kept[0], kept[1]))
+
+
 def test_continuing_a_cache_and_copies_per_question(llama):
     cfg = H2OConfig(budget=12, n_sink=1, grace=2)
     cache = make_h2o_cache(llama, cfg)
@@ -340,6 +373,8 @@ def test_bad_input_raises_with_what_was_expected(llama):
         cache_prompt(llama, PROMPT, make_h2o_cache(llama, H2OConfig(budget=8, n_sink=1, grace=2)), chunk_size=0)
     with pytest.raises(ValueError, match="no H2OKVCache layer"):
         cache_prompt(llama, PROMPT, [KVCache() for _ in llama.layers])
+    with pytest.raises(ValueError, match="pool=2 is invalid: expected an odd number"):
+        cache_prompt(llama, PROMPT, make_h2o_cache(llama, H2OConfig(budget=8, n_sink=1, grace=2)), pool=2)
 
 
 def test_a_compressed_prompt_cache_file_round_trips(tmp_path):

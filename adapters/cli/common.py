@@ -256,8 +256,8 @@ def openblas_coretype() -> str:
 def reexec_with_openblas(argv: List[str]) -> None:
     """Re-run `python -m h2o_fn <argv>` with OpenBLAS preloaded, when it exists (Linux only)."""
     path = openblas_path()
-    if sys.platform != "linux" or os.environ.get(FLAG) is not None or path is None:
-        return
+    if sys.platform != "linux" or os.environ.get(FLAG) is not None or path in (None, os.environ.get("LD_PRELOAD")):
+        return  # (already preloaded: make test's processes)
     env = dict(
         os.environ, LD_PRELOAD=path, OPENBLAS_CORETYPE=os.environ.get("OPENBLAS_CORETYPE", openblas_coretype())
     )
