@@ -20,13 +20,13 @@ Example:
     'libh2o_openblas.so'
 """
 
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional
+
+from .kernel_header import build_atomically
 
 # C ABI: CBLAS enums are ints; scipy-openblas32's integers are 32-bit (blasint = int)
 SHIM = """
@@ -70,18 +70,8 @@ def build(compiler: str = "g++") -> Optional[Path]:
     lib_dir = Path(wheel.get_lib_dir()).resolve()
     out = library()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-x", "c++", "-", "-o", tmp, f"-L{lib_dir}",
-                        f"-l{wheel.get_library()}", f"-Wl,-rpath,{lib_dir}"],
-                       input=SHIM.encode(), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return out
+    return build_atomically([compiler, "-O2", "-shared", "-fPIC", "-x", "c++", "-", f"-L{lib_dir}",
+                             f"-l{wheel.get_library()}", f"-Wl,-rpath,{lib_dir}"], out, 0o755, SHIM.encode())
 
 
 if __name__ == "__main__":

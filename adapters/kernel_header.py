@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import mlx.core as mx
 
@@ -44,13 +44,21 @@ def precompile(compiler: str = "g++") -> Optional[Path]:
     if not header.is_file() or shutil.which(compiler) is None:
         return None
     include = header.parents[3]  # the -I directory mlx passes
-    out = header.with_name(header.name + ".gch")
-    fd, tmp = tempfile.mkstemp(dir=header.parent, suffix=".gch.tmp")
+    # 0644: mkstemp's 0600 would hide it from other users of the same mlx
+    return build_atomically([compiler, *FLAGS, "-x", "c++-header", str(header), "-I", str(include)],
+                            header.with_name(header.name + ".gch"), 0o644)
+
+
+def build_atomically(command: List[str], out: Path, mode: int, source: Optional[bytes] = None) -> Path:
+    """Run a compiler's `command` with `-o` a temporary file beside `out` (`source` on its stdin),
+    then move it to `out` in one step: a failed build (CalledProcessError, g++'s stderr in it)
+    leaves no file behind and an earlier `out` as it was."""
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=out.suffix + ".tmp")
     os.close(fd)
-    os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide it from other users of the same mlx
     try:
-        subprocess.run([compiler, *FLAGS, "-x", "c++-header", str(header), "-I", str(include), "-o", tmp],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        subprocess.run([*command, "-o", tmp], input=source, check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE)
+        os.chmod(tmp, mode)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
