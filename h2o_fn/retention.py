@@ -13,8 +13,8 @@ the pure parts, with twins of the same names in `h2o_fn.reference`:
 
 - `aggregate`: the repeat pass's weights `[B, Hq, N, L]` -> one score per key `[B, H, L]`;
 - `pool`: each chunk token's score raised to the largest of its neighbours' (a window of
-  `window` tokens centred on it), so that a kept token keeps the tokens around it: a pass
-  key's digits are kept together (BENCHMARKS, "Natural text");
+  `window` tokens centred on it), so that a kept token keeps the tokens around it (an
+  option of `cache_prompt`, off by default: BENCHMARKS, "Natural text");
 - `chunk_scores`: those scores over (kept rows, chunk) -> the core's `[B, H, C + N]`
   layout for `absorb_scored`, raising each kept token's score to its new one (max).
 

@@ -63,7 +63,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         f"answer) before the rule evicts again (default {TAIL})")
     parser.add_argument("--repeat-pool", type=int, default=POOL,
                         help=f"the repeat pass scores each prompt token at least as its neighbours within pool // 2 places, so kept "
-                        f"tokens keep their neighbours (odd; 1: the repeat pass's scores as they are; default {POOL})")
+                        f"tokens keep their neighbours (odd; 1: the repeat pass's scores as they are, the default)")
     parser.add_argument("--kvcache", action="store_true",
                         help="save mlx-lm's plain KVCache instead (the kept keys re-rotated to consecutive "
                         "positions, h2o_fn.adapters.export): unmodified mlx_lm.generate --prompt-cache-file "

@@ -102,7 +102,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeat-chunk", type=int, default=CHUNK,
                         help=f"prompt tokens per chunk of cache_prompt's repeat pass (default {CHUNK})")
     parser.add_argument("--repeat-pool", type=int, default=POOL,
-                        help=f"cache_prompt's pooling of the repeat pass's scores, in tokens (odd; 1: none; default {POOL})")
+                        help=f"cache_prompt's pooling of the repeat pass's scores, in tokens (odd; default {POOL}: none)")
     parser.add_argument("--caches", nargs="+", choices=RETRIEVAL_FAMILIES, default=list(RETRIEVAL_FAMILIES),
                         help="cache families of retrieval and peak (the full cache always runs: the reference)")
     parser.add_argument("--facts", type=int, default=4, help="codes hidden in one context (at most 4)")
