@@ -62,8 +62,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help=f"with --budgets global or layer: tokens each head takes after the prompt (the question, the "
                         f"answer) before the rule evicts again (default {TAIL})")
     parser.add_argument("--repeat-pool", type=int, default=POOL,
-                        help=f"the repeat pass scores each prompt token at least as its neighbours within pool // 2 places, so kept "
-                        f"tokens keep their neighbours (odd; 1: the repeat pass's scores as they are, the default)")
+                        help="the repeat pass scores each prompt token at least as its neighbours within pool // 2 places, so "
+                        f"kept tokens keep their neighbours (odd; 1: its scores as they are; default {POOL})")
     parser.add_argument("--kvcache", action="store_true",
                         help="save mlx-lm's plain KVCache instead (the kept keys re-rotated to consecutive "
                         "positions, h2o_fn.adapters.export): unmodified mlx_lm.generate --prompt-cache-file "
