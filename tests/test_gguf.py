@@ -29,6 +29,20 @@ def loaded():
     return gguf.load_gguf()
 
 
+@pytest.fixture(scope="module")
+def floats():
+    """The same GGUF dequantized to float32: on a CPU mlx's 4-bit matmuls read a prompt ~10x
+    slower, so the tests that run many tokens use this (equal to the 4-bit model, below)."""
+    return gguf.load_gguf(dequantize=True)
+
+
+def test_the_4bit_model_computes_what_its_float32_expansion_does(loaded, floats):
+    ids = mx.array([loaded[1].encode("The Eiffel Tower is a wrought-iron lattice tower")[:8]])
+    q, f = loaded[0](ids), floats[0](ids)
+    assert mx.allclose(q, f, atol=1e-3).item(), mx.abs(q - f).max().item()  # 7e-5 measured, logits ~30
+    assert mx.array_equal(q.argmax(-1), f.argmax(-1)).item()
+
+
 def _chat(tokenizer, question):
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": question}], add_generation_prompt=True
@@ -58,9 +72,9 @@ def test_per_module_quantization(loaded):
     assert model.layers[0].input_layernorm.weight.dtype == mx.float32
 
 
-def test_interleaved_rope_fits(loaded):
+def test_interleaved_rope_fits(floats):
     """English text is far likelier with traditional (interleaved) RoPE."""
-    model, tokenizer = loaded
+    model, tokenizer = floats
     text = (
         "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in "
         "Paris, France. It is named after the engineer Gustave Eiffel, whose company "
@@ -128,8 +142,8 @@ def test_chat_template(loaded):
         ("What is the capital of Germany?", "Berlin"),
     ],
 )
-def test_greedy_generation_stops_at_end_of_turn(loaded, question, word):
-    model, tokenizer = loaded
+def test_greedy_generation_stops_at_end_of_turn(floats, question, word):
+    model, tokenizer = floats
     text, last = "", None
     for last in mlx_lm.stream_generate(
         model, tokenizer, _chat(tokenizer, question), max_tokens=40
