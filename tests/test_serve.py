@@ -760,9 +760,10 @@ def post_and_leave(srv, stream: bool) -> None:
         while len(PROGRESS.findall(srv.log.read_text())) == read_before:
             assert time.monotonic() < deadline, f"the prompt was never read:\n{srv.log.read_text()[-3000:]}"
             time.sleep(0.05)
-    before = srv.cpu_s()
-    time.sleep(0.5)
-    assert srv.cpu_s() - before > 0.2, "the request was not being generated"
+    before, deadline = srv.cpu_s(), time.monotonic() + 5  # the server may share a busy CPU with other tests
+    while srv.cpu_s() - before <= 0.2:
+        assert time.monotonic() < deadline, "the request was not being generated"
+        time.sleep(0.1)
     sock.close()
 
 
