@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from h2o_fn import H2OConfig, H2OState, Policy, Prompt, Storage, budgets, core, prefill, retention, scoring, storage, view
-from h2o_fn.state import RESERVED
+from h2o_fn.state import FREE, RESERVED
 
 from . import staging
 
@@ -45,6 +45,7 @@ class Pending(NamedTuple):
     alive: Optional[mx.array]  # decode: [B] bool; chunk: [B] int32 real tokens; None: all
     staged: bool = False  # decode: a staged token (every > 1), weights kept for the chunk
     key: Optional[mx.array] = None  # key scoring: the token's key [B, H, 1, Dk] (the proxy's query)
+    start: Optional[int] = None  # a chunk written into the room at slot `start` (`state`: after it)
 
 
 class Step(NamedTuple):
@@ -135,7 +136,29 @@ def _decode(s, policy, keys, values, span, alive):
         view.view(admitted, span)
 
 
+def _room(s: CacheState, policy: Policy, N: int, alive) -> Optional[int]:
+    """The slot where a chunk of N real tokens goes in place (`prefill.admit_chunk`), when it
+    fits every row's room (nothing evicted) and each head's slots hold tokens or reserved ones
+    up to that slot, free after it (one evaluation of the layout); else None."""
+    L = s.lengths[0] if s.lengths else 0
+    if (alive is not None or policy.config.prefill != "oneshot" or len(set(s.lengths)) > 1
+            or L + N > policy.config.budget):
+        return None
+    p = s.core.positions
+    dense = mx.all(s.core.length == L) & mx.all(p[..., :L] != FREE) & mx.all(p[..., L:] == FREE)
+    return L if dense.item() else None
+
+
 def _chunk(s, policy, keys, values, span, alive):
+    start = _room(s, policy, keys.shape[2], alive)
+    if start is not None:  # written where it lies: the view is its slots, nothing is copied
+        written = policy.admit_chunk(s.core, keys, values, start)
+        out = view.view(written, start + keys.shape[2])
+        if policy.config.scoring == "query":
+            return s._replace(core=written, pending=Pending(written, keys, values, span, None, start=start)), out
+        state = policy.settle_chunk(written, keys, start)
+        mx.eval(state)
+        return s._replace(core=state), out
     out = view.chunk_view(s.core, keys, values, span, policy.kv)
     if policy.config.scoring == "query":
         return s._replace(pending=Pending(s.core, keys, values, span, alive)), out
@@ -200,6 +223,12 @@ def receive(s: CacheState, policy: Policy, weights: mx.array) -> CacheState:
         return _flush_when_full(s, policy)
     if p.keys is None:
         return s._replace(core=policy.settle(p.state, view.decode_weights(weights, p.state), p.alive))
+    if p.start is not None:  # the view was the written slots [0, start + N)
+        C = p.state.positions.shape[-1]
+        state = policy.settle_chunk(p.state, p.keys, p.start,
+                                    mx.pad(weights, [(0, 0), (0, 0), (0, 0), (0, C - weights.shape[-1])]))
+        mx.eval(state)
+        return s._replace(core=state)
     state = policy.absorb(p.state, p.keys, p.values, view.view_weights(p.state, weights, p.span), p.alive)
     mx.eval(state)  # a chunk: left lazy, every layer's chunk rows would live until the pass ends
     return s._replace(core=state)

@@ -80,6 +80,16 @@ class Policy(NamedTuple):
         """A chunk `[B, H, N, D]` evicted down to budget (`prefill.absorb`, eager)."""
         return prefill.absorb(state, keys, values, self.config, weights, self.argmin, n_alive, self.prompt, self.kv)
 
+    def admit_chunk(self, state: H2OState, keys: mx.array, values: mx.array, start: int) -> H2OState:
+        """A chunk `[B, H, N, D]` written into free slots [start, start + N), unscored
+        (`prefill.admit_chunk`: in place when nothing else holds the state)."""
+        return prefill.admit_chunk(state, keys, values, start, self.kv)
+
+    def settle_chunk(self, admitted: H2OState, keys: mx.array, start: int,
+                     weights: Optional[mx.array] = None) -> H2OState:
+        """An admitted chunk's scores, `absorb`'s when nothing is evicted (`prefill.settle_chunk`)."""
+        return prefill.settle_chunk(admitted, keys, self.config, start, weights, self.prompt, self.kv)
+
     def absorb_staged(self, state: H2OState, keys: mx.array, values: mx.array,
                       weights: Optional[mx.array] = None, logits: Optional[mx.array] = None) -> H2OState:
         """The state's N newest tokens `[B, H, N, D]`, admitted unscored, judged as one chunk:

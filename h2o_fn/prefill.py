@@ -113,6 +113,62 @@ def absorb(
     return _absorb_greedy(state, keys, values, config, weights, argmin, n_alive, n, kv)
 
 
+def admit_chunk(state: H2OState, keys: mx.array, values: mx.array, start: int, kv: Storage = DENSE) -> H2OState:
+    """Write a chunk `[B, H, N, D]` into slots [start, start + N) of every row and head, which
+    must be free, with score 0 (`settle_chunk` scores it): `absorb`'s result when it evicts
+    nothing, laid out as decode leaves it instead of sorted. A state nothing else holds is
+    written where it lies, where `absorb` gathers every row into new arrays: continuing a
+    held conversation with a short turn costs the turn's rows, not a copy of the cache.
+
+    Example:
+        >>> import mlx.core as mx
+        >>> from h2o_fn import H2OConfig, init, absorb, kept_positions
+        >>> cfg = H2OConfig(budget=8, n_sink=1, grace=1)
+        >>> kv = mx.ones((1, 1, 3, 4))
+        >>> s = admit_chunk(absorb(init(cfg, 1, 1, 4), kv, kv, cfg), kv, kv, start=3)
+        >>> kept_positions(s)[0, 0].tolist()[:6], s.length.tolist()
+        ([0, 1, 2, 3, 4, 5], [6])
+    """
+    N = check_chunk(state, keys, values, kv)
+    B, H, C = state.positions.shape
+    if not 0 <= start <= C - N:
+        raise ValueError(f"start={start} is invalid for a chunk of {N} in {C} slots: expected 0..{C - N}")
+    at = mx.array([start])
+    new = mx.broadcast_to((state.seen[:, None] + mx.arange(N))[:, None], (B, H, N)).astype(mx.int32)
+    return H2OState(
+        keys=storage.put(state.keys, stored_rows(keys, state.keys, kv), start),
+        values=storage.put(state.values, stored_rows(values, state.values, kv), start),
+        scores=state.scores,  # free slots score 0
+        positions=mx.slice_update(state.positions, new, at, axes=(2,)),
+        length=state.length + N,
+        seen=state.seen + N,
+    )
+
+
+def settle_chunk(admitted: H2OState, keys: mx.array, config: H2OConfig, start: int,
+                 weights: Optional[mx.array] = None, prompt: Prompt = Prompt(), kv: Storage = DENSE) -> H2OState:
+    """The scores `absorb` (oneshot) gives a chunk `[B, H, N, D]` that `admit_chunk` wrote at
+    [start, start + N), when nothing is evicted (length <= budget: the caller's to ensure).
+
+    Args:
+      weights: query scoring, `[B, H, M, C]` attention weights of the chunk's last M queries
+        over the admitted state's slots (the chunk's own at [start, start + N), causal),
+        M as `absorb` takes them; None: the key proxy's, computed here.
+    """
+    N, C = keys.shape[2], admitted.positions.shape[-1]
+    slots = mx.arange(C)
+    own = (slots >= start) & (slots < start + N)  # [C]: the chunk's slots
+    before = admitted._replace(positions=mx.where(own, FREE, admitted.positions), length=admitted.length - N,
+                               seen=admitted.seen - N)
+    if weights is not None:  # -> absorb's layout: the slots before the chunk, then the chunk's tokens
+        weights = mx.concatenate([mx.where(own, 0.0, weights), weights[..., start : start + N]], axis=-1)
+    chunk_keys = stored_rows(keys, admitted.keys, kv)
+    scores = _oneshot_scores(before, keys, chunk_keys, config, weights, None, prompt, kv)[0]  # [B, H, C + N]
+    moved = mx.where(own, C + slots - start, slots)  # slot j's column in absorb's layout
+    scores = mx.take_along_axis(scores, mx.broadcast_to(moved, scores.shape[:-1] + (C,)), axis=-1)
+    return admitted._replace(scores=mx.where(admitted.positions >= 0, scores, 0.0))
+
+
 def _alive_mask(N: int, n_alive: Optional[mx.array]) -> Optional[mx.array]:
     """`[B, 1, N]` bool: chunk token i of row b is real; None when every token is."""
     return None if n_alive is None else (mx.arange(N) < n_alive[:, None])[:, None, :]

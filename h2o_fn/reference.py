@@ -135,6 +135,29 @@ def admit(state: RefState, key, value, kv=None, alive=None) -> RefState:
     return state
 
 
+def admit_chunk(state: RefState, keys, values, start: int, kv=None) -> RefState:
+    """Append a chunk `[B, H, N, D]` with score 0 to every row (`start`, the core's slot, has
+    no place in a reference without slots)."""
+    del start, kv
+    state = _copy(state)
+    keys, values = np.asarray(keys, np.float64), np.asarray(values, np.float64)
+    for b, row in enumerate(state.heads):
+        for h, head in enumerate(row):
+            head.extend(Token(state.seen[b] + i, keys[b, h, i], values[b, h, i]) for i in range(keys.shape[2]))
+        state.seen[b] += keys.shape[2]
+    return state
+
+
+def settle_chunk(admitted: RefState, keys, config, start: int, weights=None, prompt: Prompt = Prompt(),
+                 kv=None) -> RefState:
+    """The admitted chunk (every row's N newest tokens) scored as `absorb` scores it, which
+    evicts nothing here; `weights` `[B, H, N, P]` by position for scoring="query"."""
+    del start
+    N = np.asarray(keys).shape[2]
+    values = np.array([[[t.value for t in head[-N:]] for head in row] for row in admitted.heads])
+    return absorb(rewind(admitted, N), keys, values, config, weights, prompt=prompt, kv=kv)
+
+
 def accumulate(state: RefState, weights, config, alive=None) -> RefState:
     """s <- decay * s + w for alive rows; `weights` `[B, H, P]` by position."""
     state = _copy(state)

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 import h2o_fn
 from h2o_fn import (
@@ -23,7 +23,7 @@ from h2o_fn import (
 )
 from h2o_fn.rule import evict_lowest
 
-from helpers import chunk_weights, core_weights, kept, same, scores
+from helpers import chunk_weights, core_weights, kept, rows, same, scores
 from strategies import configs, make_stream, prompts, shapes, storages, streams
 
 
@@ -125,6 +125,44 @@ def test_a_prompt_chunks_last_window_weights_are_enough(data):
     np.testing.assert_allclose(np.array(last.scores), np.array(full.scores), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=f"expected \\(.*, {M} or {N},"):
         absorb(state, k[:, :, prefix:], v[:, :, prefix:], cfg, w[:, :, N - M + 1 :], prompt=prompt, kv=kv)
+
+
+@given(st.data())
+def test_a_chunk_written_into_free_slots_keeps_what_absorb_keeps(data):
+    """A chunk that fits the room (nothing evicted), written where it lies (`admit_chunk`) and
+    scored (`settle_chunk`), keeps absorb's positions with the same rows and scores per
+    position (scores up to float32 reassociation); only the slot layout differs."""
+    scoring = data.draw(st.sampled_from(["key", "query"]))
+    cfg, kv = data.draw(configs(scoring=scoring, prefill="oneshot")), data.draw(storages())
+    prompt = data.draw(prompts())
+    shape = data.draw(shapes(max_d=16, kv=kv))
+    stream = data.draw(streams(shape, min_len=2, max_len=max(cfg.budget, 2), decay=cfg.decay))
+    k, v = mx.array(stream.keys), mx.array(stream.values)
+    assume(k.shape[2] <= cfg.budget)  # the chunk fits: nothing is evicted
+    start = data.draw(st.integers(1, k.shape[2] - 1))
+    N = k.shape[2] - start
+    state = init(cfg, shape.B, shape.H, shape.D, dtype=mx.float32, kv=kv)
+    w = None if scoring == "key" else core_weights(state, chunk_weights(stream, 0, start))
+    state = absorb(state, k[:, :, :start], v[:, :, :start], cfg, w, prompt=prompt, kv=kv)
+    chunk = (k[:, :, start:], v[:, :, start:])
+    w = None if scoring == "key" else core_weights(state, chunk_weights(stream, start, N))  # [B, H, N, C + N]
+    want = absorb(state, *chunk, cfg, w, prompt=prompt, kv=kv)
+    C = state.positions.shape[-1]
+    if w is not None:  # over the admitted slots: the chunk's columns at [start, start + N)
+        w = mx.concatenate([w[..., :start], w[..., C:], w[..., start + N : C]], axis=-1)
+    got = h2o_fn.prefill.settle_chunk(h2o_fn.prefill.admit_chunk(state, *chunk, start, kv), chunk[0], cfg, start,
+                                      w, prompt, kv)
+    assert kept(got) == kept(want)
+    assert got.length.tolist() == want.length.tolist() and got.seen.tolist() == want.seen.tolist()
+    for g_row, w_row in zip(scores(got), scores(want)):
+        for g, ws in zip(g_row, w_row):
+            np.testing.assert_allclose([g[p] for p in sorted(ws)], [ws[p] for p in sorted(ws)], rtol=1e-5, atol=1e-6)
+    for which in ("keys", "values"):
+        for g_row, w_row in zip(rows(got, which, kv), rows(want, which, kv)):
+            for g, ws in zip(g_row, w_row):
+                assert all(np.array_equal(g[p], ws[p]) for p in ws), which
+    with pytest.raises(ValueError, match="start=.* is invalid"):
+        h2o_fn.prefill.admit_chunk(state, *chunk, C - N + 1, kv)
 
 
 @given(st.data())

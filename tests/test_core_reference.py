@@ -193,6 +193,47 @@ def twin_admit(data, cfg, kv):
             ref.admit(r, as_stored(k, kv), as_stored(v, kv), kv, alive))
 
 
+def _with_room(data, cfg, kv):
+    """A state whose every row and head holds its tokens (and reserved slots) first and has
+    room for a chunk of n (nothing evicted), its twin, the chunk and where it goes."""
+    shape = data.draw(shapes(max_b=2, max_h=2, max_d=8, kv=kv))
+    stream = data.draw(streams(shape, min_len=cfg.budget, max_len=cfg.budget, decay=cfg.decay))
+    prefix = data.draw(st.integers(0, cfg.budget - 1))
+    room = data.draw(st.sampled_from([1, 3]))
+    s, r = run_chunks(cfg._replace(prefill="oneshot"), shape, stream, [prefix] if prefix else [], None, False, room,
+                      data.draw(prompts()), kv)
+    if prefix and cfg.budget > 2 and data.draw(st.booleans()):  # a selection's reserved slots, then room
+        s, r = _selected(data, cfg, kv, shape, s, r, room)
+    start = int(s.length[0].item())
+    n = data.draw(st.integers(1, cfg.budget - start))
+    k, v, w = _token(data, shape, n)
+    return shape, s, r, start, k, v, w
+
+
+def twin_admit_chunk(data, cfg, kv):
+    _, s, r, start, k, v, _ = _with_room(data, cfg, kv)
+    return (h2o_fn.prefill.admit_chunk(s, mx.array(k), mx.array(v), start, kv),
+            ref.admit_chunk(r, as_stored(k, kv), as_stored(v, kv), start, kv))
+
+
+def twin_settle_chunk(data, cfg, kv):
+    cfg = cfg._replace(prefill="oneshot")
+    _, s, r, start, k, v, w = _with_room(data, cfg, kv)
+    n, C = k.shape[2], h2o_fn.capacity(s)
+    rw = None
+    if cfg.scoring == "query":  # by position: query i sees the held tokens and chunk tokens up to i
+        seen = np.array(s.seen)[:, None, None, None]
+        rw = np.where(np.arange(w.shape[-1]) <= seen + np.arange(n)[:, None], w, 0.0).astype(np.float32)
+    cw = None if rw is None else core_weights(s, rw)  # [B, H, n, C + n] over s, then the chunk
+    if cw is not None:  # -> over the admitted slots: the chunk's columns at [start, start + n)
+        cw = mx.concatenate([cw[..., :start], cw[..., C:], cw[..., start + n : C]], axis=-1)
+    prompt = data.draw(prompts())
+    admitted = h2o_fn.prefill.admit_chunk(s, mx.array(k), mx.array(v), start, kv)
+    radmitted = ref.admit_chunk(r, as_stored(k, kv), as_stored(v, kv), start, kv)
+    return (h2o_fn.prefill.settle_chunk(admitted, mx.array(k), cfg, start, cw, prompt, kv),
+            ref.settle_chunk(radmitted, as_stored(k, kv), cfg, start, rw, prompt, kv), cfg)
+
+
 def twin_accumulate(data, cfg, kv):
     shape, s, r = _prefix(data, cfg, kv)
     _, _, w = _token(data, shape)
