@@ -5,6 +5,7 @@ Usage:
                                 [--configs full-unbounded full h2o-512 ...] [--sweep 1 2.5 6 12]
                                 [--out results/serve-bench]
     python bench/serve_bench.py share [--doc-tokens 2048] [--budget 512]
+    python bench/serve_bench.py report --inputs A/serve-bench.json B/serve-bench.json [--out DIR]
 
 Each of K conversations is a natural-text document (`--doc-tokens` tokens of
 pydoc_data.topics, a different part for each) with three facts in it ("The code of the
@@ -30,6 +31,9 @@ handed to the request (`H2OPromptCache` for a conversation's evicted entry); the
 document read as serve reads a long prompt (`cache_prompt`), held as it is (shared or
 handed over) or packed (`at_rest.pack_layers`: shared = unpacked into new arrays, handed
 over = unpacked in place, layer by layer).
+
+`report`: the table and the plot of several runs' results together (runs at other bounds,
+commits or configurations, with the same conversations); each row keeps its own bound.
 
 The server runs with `--dequantize` and OpenBLAS preloaded when
 `/usr/lib/*/openblas-pthread/libopenblas.so.0` exists (bench/serve_rss.py's `start`).
@@ -305,16 +309,16 @@ def share_peaks(doc_tokens: int, budget: int) -> dict:
 
 def render(results: dict) -> list:
     a = results["args"]
-    lines = [f"K = {a['conversations']} conversations of {a['doc_tokens']} tokens, --prompt-cache-bytes "
-             f"{results['cache_bytes'] / 2**20:.0f} MiB ({a['cache_entries']} full-cache entries of "
-             f"{results['full_entry_bytes'] / 2**20:.1f} MiB), --dequantize"
+    lines = [f"K = {a['conversations']} conversations of {a['doc_tokens']} tokens, --prompt-cache-bytes as the "
+             f"bound column says (a full-cache entry: {results['full_entry_bytes'] / 2**20:.1f} MiB), --dequantize"
              f"{', OpenBLAS' if results['openblas'] else ''}", "",
-             "| server | entries held | entry MiB | questions right | follow-up hits | follow-ups right | "
+             "| server | bound MiB | entries held | entry MiB | questions right | follow-up hits | follow-ups right | "
              "follow-up TTFT median (hit / miss), s | peak RSS MiB | disk MiB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in results["configs"]:
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results["configs"] + results.get("sweep", []):  # the sweep's rows: the same at other bounds
         f = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
-        lines.append(f"| {r['name']} | {r['held_after_questions']} | {r['entry_bytes'] / 2**20:.1f} | "
+        bound = "-" if r.get("cache_bytes") is None else f"{r['cache_bytes'] / 2**20:.0f}"
+        lines.append(f"| {r['name']} | {bound} | {r['held_after_questions']} | {r['entry_bytes'] / 2**20:.1f} | "
                      f"{r['questions_right']}/{a['conversations']} | {r['follow_up_hits']}/{r['follow_ups']} | "
                      f"{r['follow_ups_right']}/{r['follow_ups']} | {f(r['follow_up_ttft_median'])} "
                      f"({f(r['hit_ttft_median'])} / {f(r['miss_ttft_median'])}) | {r['peak_rss_mib']:.0f} | "
@@ -352,9 +356,32 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def report(inputs: list, out: Path) -> None:
+    """The rows of several runs' `serve-bench.json` in one table and plot (`<out>/serve-bench.md`,
+    `.png`); the first file gives the header (conversations, document length, full entry)."""
+    if not inputs:
+        raise SystemExit("report: --inputs names no serve-bench.json: expected at least one")
+    runs = [json.loads(Path(p).read_text()) for p in inputs]
+    first = runs[0]
+    for p, r in zip(inputs, runs):
+        if (r["args"]["conversations"], r["args"]["doc_tokens"]) != (first["args"]["conversations"],
+                                                                     first["args"]["doc_tokens"]):
+            raise SystemExit(f"report: {p} ran {r['args']['conversations']} conversations of "
+                             f"{r['args']['doc_tokens']} tokens: expected {first['args']['conversations']} of "
+                             f"{first['args']['doc_tokens']}, as {inputs[0]}")
+    rows = [row for r in runs for row in r["configs"] + r.get("sweep", [])]
+    joined = dict(first, configs=rows, sweep=[], inputs=inputs)
+    text = "\n".join(render(joined)) + "\n"
+    (out / "serve-bench.json").write_text(json.dumps(joined, indent=1))
+    (out / "serve-bench.md").write_text(text)
+    plot(joined, out / "serve-bench.png")
+    print(text)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="?", choices=["conversations", "share"], default="conversations")
+    parser.add_argument("what", nargs="?", choices=["conversations", "share", "report"], default="conversations")
+    parser.add_argument("--inputs", nargs="+", default=[], help="report: serve-bench.json files to join")
     parser.add_argument("--conversations", type=int, default=10)
     parser.add_argument("--doc-tokens", type=int, default=2000)
     parser.add_argument("--cache-entries", type=float, default=2.5,
@@ -370,6 +397,9 @@ def main():
     if args.what == "share":
         result = share_peaks(args.doc_tokens, args.budget)
         (out / "serve-share.json").write_text(json.dumps(result, indent=1))
+        return
+    if args.what == "report":
+        report(args.inputs, out)
         return
     from h2o_fn.adapters import gguf
 
