@@ -340,6 +340,11 @@ def plot(results: dict, path: Path) -> None:
                      for r in rows if r["name"] == name)
         a1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         a2.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=name)
+    for r in rows:  # follow-ups that missed were answered by reading the conversation again
+        if r["name"] != "full-unbounded" and r["follow_up_hits"] < r["follow_ups"]:
+            a2.annotate(f"{r['follow_up_hits']}/{r['follow_ups']} hits, TTFT {r['follow_up_ttft_median']:.0f} s",
+                        (r["cache_bytes"] / 2**20, r["follow_ups_right"] / r["follow_ups"]), fontsize=7,
+                        textcoords="offset points", xytext=(4, -10))
     for r in results["configs"]:
         if r["name"] == "full-unbounded":
             a2.axhline(r["follow_ups_right"] / r["follow_ups"], color="k", ls="--", lw=1, label="full, unbounded")
