@@ -18,6 +18,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
+import h2o_fn
 from h2o_fn import H2OConfig, Prompt, Storage, absorb, assert_invariants, check_invariants, init, kept_positions, step
 from h2o_fn.adapters import attention
 from h2o_fn.adapters.attention import (
@@ -242,6 +243,37 @@ def test_decode_returns_the_kept_rows_plus_the_new_one(scoring):
             order = lambda x: x[np.lexsort(x.T[::-1])]  # noqa: E731
             np.testing.assert_array_equal(order(got), order(expected))
     assert rows == [1, 2, 3, 4, 5, 5, 5, 5, 5]
+
+
+@pytest.mark.parametrize("scoring", ["key", "query"])
+def test_a_chunk_that_fits_the_room_is_absorbed_where_it_lies(scoring, monkeypatch):
+    """A chunk with room for all its tokens attends the same view and keeps the same tokens
+    and scores as `absorb` on the state before it, and is written into the slots that
+    follow the kept ones (`prefill.admit_chunk`), never through `absorb`."""
+    cfg = H2OConfig(budget=16, n_sink=1, grace=1, scoring=scoring)
+    real_absorb = h2o_fn.prefill.absorb
+    monkeypatch.setattr(h2o_fn.prefill, "absorb", lambda *a, **k: pytest.fail("absorb copied a chunk that fits"))
+    rng = np.random.default_rng(3)
+    cache = H2OKVCache(cfg)
+    weights = None
+    for n in (5, 6):  # the first chunk into an empty cache, then one that fits beside it
+        k = mx.array(rng.standard_normal((1, 2, n, 8)).astype(np.float32))
+        before = None if cache.empty() else cache.core_state
+        keys, values = cache.update_and_fetch(k, k)
+        if scoring == "query":
+            weights = mx.softmax(mx.array(rng.standard_normal((1, 2, n, keys.shape[2])).astype(np.float32)), axis=-1)
+            cache.receive_weights(weights)
+    L = before.positions.shape[-1] - int((before.positions == -1).sum(-1).max().item())
+    assert L == 5 and keys.shape[2] == L + 6
+    old_view = h2o_fn.view.chunk_view(before, k, k, L + 1)
+    assert mx.array_equal(keys, old_view[0]) and mx.array_equal(values, old_view[1])
+    w = None if weights is None else h2o_fn.view.view_weights(before, weights, L + 1)
+    want = real_absorb(before, k, k, cfg, w)
+    got = cache.core_state
+    assert kept_positions(got).tolist() == kept_positions(want).tolist()
+    assert got.positions[0, :, :11].tolist() == [list(range(11))] * 2  # the chunk right after the kept rows
+    np.testing.assert_allclose(np.sort(np.array(got.scores), axis=-1), np.sort(np.array(want.scores), axis=-1),
+                               rtol=1e-6)
 
 
 def test_make_mask():
