@@ -224,9 +224,7 @@ def receive(s: CacheState, policy: Policy, weights: mx.array) -> CacheState:
     if p.keys is None:
         return s._replace(core=policy.settle(p.state, view.decode_weights(weights, p.state), p.alive))
     if p.start is not None:  # the view was the written slots [0, start + N)
-        C = p.state.positions.shape[-1]
-        state = policy.settle_chunk(p.state, p.keys, p.start,
-                                    mx.pad(weights, [(0, 0), (0, 0), (0, 0), (0, C - weights.shape[-1])]))
+        state = policy.settle_chunk(p.state, p.keys, p.start, view.slot_weights(weights, p.state.positions.shape[-1]))
         mx.eval(state)
         return s._replace(core=state)
     state = policy.absorb(p.state, p.keys, p.values, view.view_weights(p.state, weights, p.span), p.alive)

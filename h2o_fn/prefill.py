@@ -160,8 +160,8 @@ def settle_chunk(admitted: H2OState, keys: mx.array, config: H2OConfig, start: i
     own = (slots >= start) & (slots < start + N)  # [C]: the chunk's slots
     before = admitted._replace(positions=mx.where(own, FREE, admitted.positions), length=admitted.length - N,
                                seen=admitted.seen - N)
-    if weights is not None:  # -> absorb's layout: the slots before the chunk, then the chunk's tokens
-        weights = mx.concatenate([mx.where(own, 0.0, weights), weights[..., start : start + N]], axis=-1)
+    if weights is not None:  # -> absorb's layout (the chunk's slots are free in `before`: ignored there)
+        weights = mx.concatenate([weights, weights[..., start : start + N]], axis=-1)
     chunk_keys = stored_rows(keys, admitted.keys, kv)
     scores = _oneshot_scores(before, keys, chunk_keys, config, weights, None, prompt, kv)[0]  # [B, H, C + N]
     moved = mx.where(own, C + slots - start, slots)  # slot j's column in absorb's layout

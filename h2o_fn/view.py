@@ -115,9 +115,15 @@ def proxy_query(admitted: H2OState, key: mx.array, kv: Storage = DENSE) -> mx.ar
     return proxy_rows(scored_rows(key, admitted.keys, kv))
 
 
+def slot_weights(weights: mx.array, C: int) -> mx.array:
+    """`[B, H, M, L]` weights over a view that is a state's first L slots (a decode view, or
+    a chunk written into the room: `prefill.admit_chunk`) -> `[B, H, M, C]` (0 beyond)."""
+    return mx.pad(weights, [(0, 0), (0, 0), (0, 0), (0, C - weights.shape[-1])])
+
+
 def _over_slots(weights: mx.array, C: int) -> mx.array:
     """`[B, H, 1, span]` weights over a view's first span slots -> `[B, H, C]` (0 beyond)."""
-    return mx.pad(weights[:, :, 0], [(0, 0), (0, 0), (0, C - weights.shape[-1])])
+    return slot_weights(weights, C)[:, :, 0]
 
 
 def relayout(store: storage.Store, positions_from: mx.array, positions_to: mx.array) -> storage.Store:

@@ -57,6 +57,13 @@ def assert_matches(state: H2OState, rstate: ref.RefState, rtol=1e-5, atol=1e-7, 
                                                err_msg=f"{which} rows of positions {ps} (in that order) {where}")
 
 
+def admitted_weights(w: mx.array, C: int, start: int) -> mx.array:
+    """`absorb`'s weights `[B, H, M, C + N]` (C slots, then the chunk's tokens) -> over the
+    slots of the state `prefill.admit_chunk` wrote the chunk into at [start, start + N), `[B, H, M, C]`."""
+    N = w.shape[-1] - C
+    return mx.concatenate([w[..., :start], w[..., C:], w[..., start + N : C]], axis=-1)
+
+
 def same(a, b) -> bool:
     """Two arrays or stores (quantized triples) equal bit for bit."""
     pa, pb = storage.parts(a), storage.parts(b)

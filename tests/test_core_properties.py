@@ -23,7 +23,7 @@ from h2o_fn import (
 )
 from h2o_fn.rule import evict_lowest
 
-from helpers import chunk_weights, core_weights, kept, rows, same, scores
+from helpers import admitted_weights, chunk_weights, core_weights, kept, rows, same, scores
 from strategies import configs, make_stream, prompts, shapes, storages, streams
 
 
@@ -148,8 +148,8 @@ def test_a_chunk_written_into_free_slots_keeps_what_absorb_keeps(data):
     w = None if scoring == "key" else core_weights(state, chunk_weights(stream, start, N))  # [B, H, N, C + N]
     want = absorb(state, *chunk, cfg, w, prompt=prompt, kv=kv)
     C = state.positions.shape[-1]
-    if w is not None:  # over the admitted slots: the chunk's columns at [start, start + N)
-        w = mx.concatenate([w[..., :start], w[..., C:], w[..., start + N : C]], axis=-1)
+    if w is not None:
+        w = admitted_weights(w, C, start)
     got = h2o_fn.prefill.settle_chunk(h2o_fn.prefill.admit_chunk(state, *chunk, start, kv), chunk[0], cfg, start,
                                       w, prompt, kv)
     assert kept(got) == kept(want)

@@ -16,7 +16,7 @@ from h2o_fn import H2OConfig, absorb, admit, assert_invariants, init, step
 from h2o_fn import budgets, core, packing, prefill, rule, scoring, storage, view
 from h2o_fn import reference as ref
 
-from helpers import assert_matches, chunk_weights, core_weights, dequantized
+from helpers import admitted_weights, assert_matches, chunk_weights, core_weights, dequantized
 from strategies import chunk_sizes, configs, draw_alive, prompts, shapes, storages, streams
 
 
@@ -224,9 +224,7 @@ def twin_settle_chunk(data, cfg, kv):
     if cfg.scoring == "query":  # by position: query i sees the held tokens and chunk tokens up to i
         seen = np.array(s.seen)[:, None, None, None]
         rw = np.where(np.arange(w.shape[-1]) <= seen + np.arange(n)[:, None], w, 0.0).astype(np.float32)
-    cw = None if rw is None else core_weights(s, rw)  # [B, H, n, C + n] over s, then the chunk
-    if cw is not None:  # -> over the admitted slots: the chunk's columns at [start, start + n)
-        cw = mx.concatenate([cw[..., :start], cw[..., C:], cw[..., start + n : C]], axis=-1)
+    cw = None if rw is None else admitted_weights(core_weights(s, rw), C, start)
     prompt = data.draw(prompts())
     admitted = h2o_fn.prefill.admit_chunk(s, mx.array(k), mx.array(v), start, kv)
     radmitted = ref.admit_chunk(r, as_stored(k, kv), as_stored(v, kv), start, kv)
