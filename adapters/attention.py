@@ -222,7 +222,8 @@ def _hooked(original, reduce: str, queries, keys, values, cache, scale, mask, si
     k, v = (tuple(x) if isinstance(x, list) else x for x in (keys, values))
     wants, proxy = getattr(cache, "wants_weights", False), _proxy_of(cache, queries, k, sinks)
     if (wants or proxy is not None) and cache.can_take(keys):
-        bits, group = getattr(cache, "bits", None), getattr(cache, "group_size", 64)
+        bits = getattr(cache, "bits", None)
+        group = getattr(cache, "group_size", 64) if bits else 64  # an unquantized H2O cache raises for both
         mlx_lm_attention = lambda: original(queries, keys, values, cache=cache, scale=scale,  # noqa: E731
                                             mask=for_queries(mask, queries.shape[1], bits is not None),
                                             sinks=sinks)

@@ -92,8 +92,10 @@ def update(s: CacheState, policy: Policy, keys: mx.array, values: mx.array):
             "previous ones: the attention hook is missing. Build the cache with "
             "make_h2o_cache(model, config), which installs it."
         )
-    cfg = policy.config
     check(s, policy.kv, keys, values)
+    if keys.shape[2] == 1 and _plain(s):
+        return _plain_decode(s, policy, keys, values)
+    cfg = policy.config
     B, H, N, _ = keys.shape
     if s.waiting and B != s.waiting:
         raise ValueError(f"keys shape {tuple(keys.shape)} is invalid: this batch has {s.waiting} batch rows")
@@ -116,6 +118,21 @@ def update(s: CacheState, policy: Policy, keys: mx.array, values: mx.array):
     head_mask = view_head_mask(before, span, N) if s.reserved else None
     return s._replace(seen=tuple(a + n for a, n in zip(s.seen, counts)), span=span, last=last, head_mask=head_mask,
                       lengths=tuple(min(k + n, held) for k, n in zip(s.lengths, counts))), out
+
+
+def _plain(s: CacheState) -> bool:
+    """Whether a token for every row goes the decode loop's way: a started cache that judges
+    each token at once, all rows real, unfollowed, without reserved slots."""
+    return s.core is not None and s.every == 1 and s.to_come is None and not (s.waiting or s.followed or s.reserved)
+
+
+def _plain_decode(s: CacheState, policy: Policy, keys: mx.array, values: mx.array):
+    """`update` of one token `[B, H, 1, D]` on a `_plain` state: `_decode` and the counts, the
+    rest of `update`'s bookkeeping known (every row takes it, nothing staged or followed)."""
+    span, held = view.span_for(s.lengths, slots(s, policy.config)), policy.config.budget + len(s.staged.keys)
+    s, out = _decode(s, policy, keys, values, span, None)
+    return s._replace(seen=tuple(a + 1 for a in s.seen), lengths=tuple(min(k + 1, held) for k in s.lengths),
+                      span=span, last=None, head_mask=None), out
 
 
 def view_head_mask(s: CacheState, span: int, N: int) -> mx.array:
@@ -493,7 +510,7 @@ def check(s: CacheState, kv: Storage, keys: mx.array, values: mx.array) -> None:
     if s.core is None:
         return
     B, H = s.core.positions.shape[:2]
-    Dk, Dv = (storage.width(x, kv.bits) for x in (s.core.keys, s.core.values))
+    Dk, Dv = storage.width(s.core.keys, kv.bits), storage.width(s.core.values, kv.bits)
     if (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]) != (B, H, Dk, Dv):
         raise ValueError(f"keys/values shapes {tuple(keys.shape)}/{tuple(values.shape)} are invalid: this "
                          f"cache holds [B={B}, H={H}, *, Dk={Dk}] / [.., Dv={Dv}] (fixed after the first call)")

@@ -118,6 +118,8 @@ def proxy_query(admitted: H2OState, key: mx.array, kv: Storage = DENSE) -> mx.ar
 def slot_weights(weights: mx.array, C: int) -> mx.array:
     """`[B, H, M, L]` weights over a view that is a state's first L slots (a decode view, or
     a chunk written into the room: `prefill.admit_chunk`) -> `[B, H, M, C]` (0 beyond)."""
+    if weights.shape[-1] == C:  # a full state's decode view: nothing to pad
+        return weights
     return mx.pad(weights, [(0, 0), (0, 0), (0, 0), (0, C - weights.shape[-1])])
 
 

@@ -246,6 +246,33 @@ def test_decode_returns_the_kept_rows_plus_the_new_one(scoring):
 
 
 @pytest.mark.parametrize("scoring", ["key", "query"])
+def test_the_decode_shortcut_is_the_general_update(llama, scoring, monkeypatch):
+    """A plain decode token (`cache_state._plain`) skips `update`'s general bookkeeping: the
+    logits, kept positions and every count equal the general path's, bit for bit."""
+    from h2o_fn.adapters import cache_state
+
+    cfg = H2OConfig(budget=8, n_sink=1, grace=2, scoring=scoring)
+
+    def decode():
+        caches = make_h2o_cache(llama, cfg)
+        logits = run(llama, caches, chunks=[9] + [1] * 12, tokens=TOKENS[:, :21])
+        return logits, caches
+
+    taken = []
+    shortcut = cache_state._plain_decode
+    monkeypatch.setattr(cache_state, "_plain_decode", lambda *a: taken.append(1) or shortcut(*a))
+    fast, fast_caches = decode()
+    assert len(taken) == 12 * len(fast_caches)  # every decode token of every layer took it
+    monkeypatch.setattr(cache_state, "_plain", lambda s: False)
+    slow, slow_caches = decode()
+    assert mx.array_equal(fast, slow)
+    for a, b in zip(fast_caches, slow_caches):
+        assert kept_positions(a.core_state).tolist() == kept_positions(b.core_state).tolist()
+        fields = lambda c: (c._s.seen, c._s.lengths, c._s.span, c._s.last, c._s.head_mask)  # noqa: E731
+        assert fields(a) == fields(b)
+
+
+@pytest.mark.parametrize("scoring", ["key", "query"])
 def test_a_chunk_that_fits_the_room_is_absorbed_where_it_lies(scoring, monkeypatch):
     """A chunk with room for all its tokens attends the same view and keeps the same tokens
     and scores as `absorb` on the state before it, and is written into the slots that
