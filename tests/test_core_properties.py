@@ -353,3 +353,21 @@ def test_quantized_products_equal_the_dequantized_rows(data):
     assert mx.allclose(got, want, atol=1e-4 * (1 + mx.abs(want).max().item()), rtol=1e-5), kv
     got, want = storage.matmul(w, store, kv.bits, kv.group_size), w @ dense
     assert mx.allclose(got, want, atol=1e-5 * (1 + mx.abs(want).max().item()), rtol=1e-5), kv
+
+
+@settings(max_examples=40)
+@given(data=st.data())
+def test_dense_rows_are_mx_dequantize_bit_for_bit(data):
+    """`storage.dense` reads 8-bit rows itself (codes times scale plus bias) instead of calling
+    mx.dequantize: the same values, bit for bit, in every dtype a model stores."""
+    from h2o_fn import storage
+
+    dtype = data.draw(st.sampled_from([mx.float32, mx.float16, mx.bfloat16]))
+    group, G = data.draw(st.sampled_from(storage.KV_GROUP_SIZES)), data.draw(st.integers(1, 3))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    scale = data.draw(st.sampled_from([1e-3, 1.0, 30.0]))
+    rows = mx.array(rng.normal(size=(2, 3, data.draw(st.integers(1, 9)), group * G)).astype(np.float32) * scale)
+    store = storage.quantize(rows.astype(dtype), 8, group)
+    got, want = storage.dense(store, 8, group), mx.dequantize(*store, group_size=group, bits=8)
+    assert got.dtype == want.dtype == dtype
+    assert mx.array_equal(got, want).item(), (dtype, group, G, scale)
