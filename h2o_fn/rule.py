@@ -20,7 +20,9 @@ from .arrays import INT32_MAX, knob, per_row
 from .config import H2OConfig
 from .state import H2OState
 
-# argmin(scores [B,H,C] f32, positions [B,H,C] i32, newest [B] or [] i32, n_sink, grace) -> [B,H] i32
+# argmin(scores [B,H,C] f32, positions [B,H,C] i32, newest [B] or [] i32, n_sink, grace) -> [B,H] i32;
+# an op may offer `argmin.victims(...)` with the same arguments -> its slot as a [B,H,C] bool mask
+# (or None: use the slot), which `evict` prefers (`lowest`: fewer primitives than a slot index)
 Argmin = Callable[..., mx.array]
 
 
@@ -62,6 +64,24 @@ def protected_argmin(
     return mx.where(mx.any(candidate, axis=-1), slot, -1)
 
 
+def lowest(scores: mx.array, positions: mx.array, newest: mx.array, n_sink: int, grace: int) -> mx.array:
+    """`[B, H, C]` bool: the slot `protected_argmin` picks per (b, h), as a mask (all False
+    where no slot is evictable). The same rule with no slot index to build and compare: a
+    decode step's eviction in half the primitives, which a CPU dispatches one at a time.
+
+    Example:
+        >>> import mlx.core as mx
+        >>> s = mx.array([[[0.5, 0.1, 0.1, 0.0]]])
+        >>> p = mx.array([[[0, 3, 1, 5]]], dtype=mx.int32)
+        >>> lowest(s, p, mx.array([5], dtype=mx.int32), 1, 1).tolist()  # protected_argmin's slot 2
+        [[[False, False, True, False]]]
+    """
+    candidate = evictable(positions, newest, n_sink, grace)
+    key = mx.where(candidate, mx.where(mx.isnan(scores), -mx.inf, scores), mx.inf)
+    tied = candidate & (key == mx.min(key, axis=-1, keepdims=True))
+    return tied & (positions == mx.min(mx.where(tied, positions, INT32_MAX), axis=-1, keepdims=True))
+
+
 def evict(state: H2OState, config: H2OConfig, argmin: Argmin = protected_argmin) -> H2OState:
     """Evict one token per (b, h) of every row that holds more than `budget` tokens.
 
@@ -70,8 +90,12 @@ def evict(state: H2OState, config: H2OConfig, argmin: Argmin = protected_argmin)
     here). The freed slot keeps its stale key/value rows.
     """
     over = state.length > knob(config.budget)  # [B]
-    slot = argmin(state.scores, state.positions, state.seen - 1, config.n_sink, config.grace)
-    drop = (mx.arange(state.positions.shape[-1]) == slot[..., None]) & per_row(over)
+    args = state.scores, state.positions, state.seen - 1, config.n_sink, config.grace
+    victims = getattr(argmin, "victims", None)  # the op's victim as a mask, where it offers one
+    drop = None if victims is None else victims(*args)
+    if drop is None:
+        drop = mx.arange(state.positions.shape[-1]) == argmin(*args)[..., None]
+    drop = drop & per_row(over)
     return state._replace(
         scores=mx.where(drop, 0.0, state.scores),
         positions=mx.where(drop, -1, state.positions),
@@ -108,3 +132,6 @@ def evict_lowest(scores: mx.array, positions: mx.array, k: mx.array, newest: mx.
     low = mx.take_along_axis(low, mx.argsort(mx.take_along_axis(key, low, axis=-1), axis=-1), axis=-1)
     chosen = mx.broadcast_to(mx.arange(at_most) < per_row(k, positions.ndim), low.shape)
     return candidate & mx.put_along_axis(mx.zeros(key.shape, mx.bool_), low, chosen, axis=-1)
+
+
+protected_argmin.victims = lowest

@@ -211,3 +211,15 @@ def protected_argmin(
         _check(scores, positions, newest)
         return rule.protected_argmin(scores, positions, newest, n_sink, grace)
     return launch(kernel, scores, positions, newest, n_sink, grace)
+
+
+def _victims(scores: mx.array, positions: mx.array, newest, n_sink: int, grace: int):
+    """The victim as a `[B, H, C]` mask (`h2o_fn.rule.lowest`) where `protected_argmin` would
+    take the pure path (use_kernel=None), else None: `evict` then asks the kernel for the slot."""
+    if mx.default_device().type == mx.gpu and available_kernel() is not None:
+        return None
+    _check(scores, positions, newest)
+    return rule.lowest(scores, positions, newest, n_sink, grace)
+
+
+protected_argmin.victims = _victims

@@ -254,6 +254,23 @@ def test_body_matches_pure_path(kernel_so, c):
     assert np.array_equal(got, want), f"kernel {got.tolist()} != pure {want.tolist()}; repro: {c.snippet()}"
 
 
+@FAST
+@given(c=cases())
+@example(c=case([0.0], [-1], 5, 0, 0))
+@example(c=case([1.0, 1.0, 1.0, 1.0], [7, 3, 5, 4], 9, 0, 0))
+@example(c=case([NAN, -INF, NAN, 0.0], [6, 2, 1, 3], 9, 0, 0))
+@example(c=case([INF, INF, -1.0], [2, 1, 9], 9, 0, 1))
+def test_the_victim_mask_is_the_pure_slot(c):
+    """`evict`'s mask (`rule.lowest`, and the dispatcher's `victims` on the CPU) marks exactly
+    the slot `protected_argmin` picks, nothing where it gives -1."""
+    slot = run_pure(c)
+    want = np.arange(c.scores.shape[-1]) == slot[..., None]  # -1 matches no slot
+    args = mx.array(c.scores), mx.array(c.positions), mx.array(c.newest, dtype=mx.int32), c.n_sink, c.grace
+    for got in (rule.lowest(*args), evict.protected_argmin.victims(*args), rule.protected_argmin.victims(*args)):
+        assert np.array_equal(np.array(got), want), f"mask {np.array(got).tolist()} != slot {slot.tolist()}; " \
+            f"repro: {c.snippet()}"
+
+
 @pytest.mark.parametrize("C,seed", [(1000, 1), (2048, 2), (4096, 3)])
 def test_body_matches_pure_path_large_c(kernel_so, C, seed):
     c = large_case(C, seed)
