@@ -95,13 +95,13 @@ def admit(state: H2OState, key: mx.array, value: mx.array, kv: Storage = DENSE,
 def _admit(state: H2OState, key, value, kv, alive):
     """`admit`, also returning the `[B, H, C]` mask of the slots free before it."""
     free = state.positions == FREE
-    slot = mx.argmax(free, axis=-1)  # [B, H]
-    here = mx.arange(state.positions.shape[-1]) == slot[..., None]
+    slot = mx.argmax(free, axis=-1, keepdims=True)  # [B, H, 1]
+    here = mx.arange(state.positions.shape[-1]) == slot
     add = 1
     if alive is not None:
         here = here & per_row(alive)
         add = alive.astype(mx.int32)
-    index = slot[..., None, None]
+    index = slot[..., None]
     return H2OState(  # a free slot already scores 0
         keys=storage.write(state.keys, index, stored_rows(key, state.keys, kv)),
         values=storage.write(state.values, index, stored_rows(value, state.values, kv)),
@@ -152,7 +152,7 @@ def step(
         w = mx.where(own, weights[..., 0, -1:], weights[..., 0, :-1])
         return settle(admitted, w, config, argmin, alive)
     w = proxy_weights(admitted.keys, state.positions >= 0, scored_rows(key, state.keys, kv), kv)
-    return _by_key(admitted, w, config, argmin, alive)
+    return _by_key(admitted, w[..., 0, :], config, argmin, alive)
 
 
 def settle_key(admitted: H2OState, key: mx.array, config: H2OConfig, argmin: Argmin = protected_argmin,
@@ -180,19 +180,19 @@ def settle_key(admitted: H2OState, key: mx.array, config: H2OConfig, argmin: Arg
     check_kv(admitted, kv)
     visible = (admitted.positions >= 0) & ~newest_slots(admitted.positions, admitted.seen, alive)
     if logits is None:
-        w = proxy_weights(admitted.keys, visible, scored_rows(key, admitted.keys, kv), kv)
+        w = proxy_weights(admitted.keys, visible, scored_rows(key, admitted.keys, kv), kv)[..., 0, :]
     else:
-        w = proxy_softmax(logits, visible)[..., None, :]
+        w = proxy_softmax(logits, visible)
     return _by_key(admitted, w, config, argmin, alive)
 
 
 def _by_key(admitted, w, config, argmin, alive):
-    """Settle `admitted` with the key proxy's weights `w` `[B, H, 1, C]` (0 on unseen slots)."""
+    """Settle `admitted` with the key proxy's weights `w` `[B, H, C]` (0 on unseen slots)."""
     if alive is not None:
-        return settle(admitted, w[..., 0, :], config, argmin, alive)
+        return settle(admitted, w, config, argmin, alive)
     # proxy weights are exactly 0 on free slots and on the new token: no mask needed
     decayed = knob(config.decay, mx.float32) * admitted.scores
-    return evict(admitted._replace(scores=decayed + w[..., 0, :]), config, argmin)
+    return evict(admitted._replace(scores=decayed + w), config, argmin)
 
 
 @functools.lru_cache(maxsize=None)
