@@ -20,7 +20,7 @@ from . import storage
 from .arrays import f32, knob, per_row, times_rows
 from .config import H2OConfig
 from .prompt import Prompt
-from .softmax import softmax
+from .softmax import ranking_softmax
 from .state import H2OState
 from .storage import DENSE, Storage
 
@@ -67,7 +67,7 @@ def proxy_rows(queries: mx.array) -> mx.array:
 def proxy_softmax(logits: mx.array, visible: mx.array) -> mx.array:
     """The key proxy's weights from its logits `[..., C]` (keys . query / sqrt(D)): softmax
     over the `visible` slots (broadcastable bool), exactly 0 elsewhere, 0 where none is."""
-    w = softmax(mx.where(visible, logits, -mx.inf))  # h2o_fn.softmax: mlx's CPU exp is slow
+    w = ranking_softmax(mx.where(visible, logits, -mx.inf))  # mlx's where that is faster, else our exp
     return mx.nan_to_num(w, nan=0.0)  # softmax gives [0, 1] or NaN (no valid slot, NaN keys)
 
 

@@ -27,10 +27,11 @@ import mlx.core as mx
 
 _LOWEST = -87.3  # below this the result is 0 (e^-87.34 is the smallest normal float32)
 _HIGHEST = 88.37  # above this it is inf: n would reach 128, past float32's exponents
-_ROUND = 12582912.0
+_ROUND = 12582912.0  # 1.5 * 2^23: (y + _ROUND) - _ROUND is y rounded to the nearest integer
 # up to this many elements mlx's softmax is faster on a CPU: a decode step's dozen fused
-# primitives cost more to dispatch than its exps (BENCHMARKS.md, "The softmax without a floor")
-MLX_UP_TO = 8192  # 1.5 * 2^23: (y + _ROUND) - _ROUND is y rounded to the nearest integer
+# primitives cost more to dispatch than its exps (`ranking_softmax`; BENCHMARKS.md, "The softmax
+# without a floor")
+MLX_UP_TO = 8192
 
 
 def _rounded(y: mx.array) -> mx.array:
@@ -84,9 +85,15 @@ def _exp_nonpositive(x: mx.array) -> mx.array:
 
 def softmax(x: mx.array, axis: int = -1) -> mx.array:
     """softmax of float32 `x` along `axis`, as mx.softmax(precise=True) computes it (the max
-    subtracted first), with `exp`; up to `MLX_UP_TO` elements, mx.softmax itself (one
-    primitive instead of a dozen: faster there). A row of -inf only gives NaN, as mx.softmax does."""
-    if x.size <= MLX_UP_TO:
-        return mx.softmax(x, axis=axis, precise=True)
+    subtracted first), with `exp`. A row of -inf only gives NaN, as mx.softmax does."""
     e = _exp_nonpositive(x - mx.max(x, axis=axis, keepdims=True))  # <= 0, or NaN (inf - inf)
     return e / mx.sum(e, axis=axis, keepdims=True)
+
+
+def ranking_softmax(x: mx.array, axis: int = -1) -> mx.array:
+    """`softmax`, or mx.softmax itself up to `MLX_UP_TO` elements (one primitive instead of a
+    dozen: faster there, and a few ulp off): for weights that only rank tokens (the key proxy's;
+    attention's own weights also make its output, and keep `softmax`)."""
+    if x.size <= MLX_UP_TO:
+        return mx.softmax(x, axis=axis, precise=True)
+    return softmax(x, axis)

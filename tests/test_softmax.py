@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from h2o_fn.softmax import _exp_nonpositive, exp, softmax
+from h2o_fn.softmax import MLX_UP_TO, _exp_nonpositive, exp, ranking_softmax, softmax
 
 
 def ulps(got: np.ndarray, want: np.ndarray) -> np.ndarray:
@@ -47,3 +47,15 @@ def test_softmax_agrees_with_mlx_and_masks_exactly(shape):
 
 def test_a_row_with_nothing_visible_is_nan_as_in_mlx():
     assert mx.all(mx.isnan(softmax(mx.full((1, 4), -mx.inf)))).item()
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 257), (1, 3, MLX_UP_TO // 3), (1, 3, MLX_UP_TO // 3 + 1), (1, 3, 4097)])
+def test_the_ranking_softmax_is_mlx_up_to_its_size_and_ours_above(shape):
+    """The key proxy's softmax: mx.softmax bit for bit up to MLX_UP_TO elements, `softmax` above;
+    hidden slots exactly 0 either way."""
+    x = mx.random.normal(shape, key=mx.random.key(3)) * 4
+    x = mx.where(mx.random.uniform(shape=shape, key=mx.random.key(4)) < 0.3, -mx.inf, x)
+    want = mx.softmax(x, axis=-1, precise=True) if x.size <= MLX_UP_TO else softmax(x)
+    got = ranking_softmax(x)
+    assert mx.array_equal(got, want).item()
+    assert mx.all(mx.where(x == -mx.inf, got == 0, True)).item()
