@@ -316,6 +316,10 @@ def test_bench_every_section_with_kv_bits(tiny_dir, tmp_path):
     assert {"QuantizedKVCache(8 bits)", "H2O key (24, 8-bit)", "RotatingKVCache(24, keep=4)",
             "H2O query (24, evict_every 8)"} <= decode
     assert "oneshot absorb of 8 staged tokens, per token" in {r["part"] for r in results["profile"]}
+    layers = {r["cache"]: r for r in results["layers"]}  # 30 layers of cache + attention, no model
+    assert set(layers) == {"RotatingKVCache(16, keep=4)", "H2O key (16)", "H2O query (16)"}
+    assert layers["RotatingKVCache(16, keep=4)"]["paired"] == 1.0
+    assert all(r["ms_per_token"] > 0 and r["paired"] > 0 for r in layers.values())
     assert all(r["tok_s"] > 0 for r in results["decode"]["rows"])
     assert results["prefill"][0]["vs_full"] == pytest.approx(1.0)
     assert any("8-bit" in r["cache"] for r in results["prefill"])

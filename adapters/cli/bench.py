@@ -11,7 +11,9 @@
 - prefill: a 4,096-token prompt at budget 512: full vs H2O greedy vs oneshot.
 - profile: where a compiled decode step's time goes, part by part (the core's public
   parts: admit, key_weights, protected_argmin, evict, step; and admit + settle_key from
-  the logits attention computed: what key scoring pays outside attention under the hook).
+  the logits attention computed: what key scoring pays outside attention under the hook);
+  then decode through 30 chained layers of cache + attention without the model, rotating
+  beside H2O key and query with the paired ratio: the caches' share of a token, in seconds.
 
 With --kv-bits B, decode and prefill (and update) add rows with H2O storing its rows in
 B bits, and decode mlx-lm's QuantizedKVCache(B), next to the unquantized ones.
@@ -28,6 +30,8 @@ import time
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import scaled_dot_product_attention as base_attention
 from mlx_lm.models.cache import RotatingKVCache
 
 from h2o_fn import (
@@ -203,6 +207,59 @@ def bench_profile(configs, layers=30, repeats=60) -> list:
         )
     return rows
 
+
+
+def bench_layers(configs, layers: int = 30, rounds: int = 4, steps: int = 16, past: int = 64) -> list:
+    """Decode tokens through `layers` chained layers of cache + attention, without the model:
+    RotatingKVCache (mlx-lm's attention) beside H2O key and query (the hook's), each layer
+    holding `budget + past` tokens (read in chunks of 512). A layer's output is the next one's
+    queries, and its first KV heads' rows the next keys and values: one chain, as in a model.
+    Rounds interleave the caches; 'paired' is the median over rounds of rotating's time over
+    this cache's.
+
+    `configs`: budget -> the key-scoring H2O config at that budget (B=1, 9 query heads over
+    3 KV heads, D=64: the bundled model's shape)."""
+    hooked = attention._hook(base_attention, "mean")
+    rows = []
+    for budget, cfg in configs.items():
+        ctx = mx.random.normal((1, 9, budget + past, 64), key=mx.random.key(budget))
+        kinds = {
+            f"RotatingKVCache({budget}, keep={cfg.n_sink})":
+                lambda: baselines.layer_cache(Baseline("rotating", budget=budget, keep=cfg.n_sink)),
+            f"H2O key ({budget})": lambda: H2OKVCache(cfg, prompt=DEFAULT_PROMPT),
+            f"H2O query ({budget})": lambda: H2OKVCache(cfg._replace(scoring="query"), prompt=DEFAULT_PROMPT),
+        }
+        caches = {name: [build() for _ in range(layers)] for name, build in kinds.items()}
+        for cache in caches.values():
+            for i in range(0, ctx.shape[2], 512):
+                mx.eval(_through_layers(hooked, cache, ctx[:, :, i : i + 512]))
+        times = {name: [] for name in caches}
+        x = ctx[:, :, -1:]
+        for _ in range(rounds):
+            for name, cache in caches.items():
+                mx.eval(_through_layers(hooked, cache, x))  # a warm token
+                t = time.perf_counter()
+                for _ in range(steps):
+                    mx.eval(_through_layers(hooked, cache, x))
+                times[name].append((time.perf_counter() - t) / steps * 1e3)
+        rotating = times[next(iter(times))]
+        for name, ms in times.items():
+            paired = statistics.median(r / m for r, m in zip(rotating, ms))
+            rows.append({"budget": budget, "cache": name, "ms_per_token": statistics.median(ms),
+                         "us_per_layer": statistics.median(ms) * 1e3 / layers, "paired": paired})
+        print(f"layers budget {budget}: " + "  ".join(
+            f"{r['cache']} {r['us_per_layer']:.0f}us ({r['paired']:.2f}x)" for r in rows if r["budget"] == budget),
+            flush=True)
+    return rows
+
+
+def _through_layers(attend, caches, x: mx.array) -> mx.array:
+    """x `[1, 9, N, 64]` through one cache + attention per layer: the last layer's output."""
+    mask = create_attention_mask(x.transpose(0, 2, 1, 3), caches[0])
+    for cache in caches:
+        keys, values = cache.update_and_fetch(x[:, :3], x[:, 3:6])
+        x = attend(x, keys, values, cache=cache, scale=0.125, mask=mask)
+    return x
 
 def _staged_rows(cfg, ctx, budget: int, layers: int, repeats: int, k: int = 8) -> list:
     """evict_every = k, per token: k admits (row writes) then the k judged as one chunk, in
@@ -420,6 +477,17 @@ def render_profile(rows: list) -> List[str]:
     )
 
 
+def render_layers(rows: list) -> List[str]:
+    return common.section(
+        "Decode through 30 layers of cache + attention, no model (B=1, 9 query / 3 KV heads, D=64)",
+        "budget:r | cache:l | ms/token:r | us per layer:r | vs rotating, paired:r",
+        [(r["budget"], r["cache"], f"{r['ms_per_token']:.2f}", f"{r['us_per_layer']:.0f}", f"{r['paired']:.2f}x")
+         for r in rows],
+        notes=["rounds interleave the caches; 'paired' is the median over rounds of the rotating cache's "
+               "time over this cache's; the model's matmuls, norms and RoPE are not in it"],
+    )
+
+
 def render_update(rows: list) -> List[str]:
     return common.section(
         "Per-layer update, one decode token (B=1, H=3, D=64, float32)",
@@ -474,7 +542,7 @@ def render_prefill(rows: list) -> List[str]:
     )
 
 
-RENDER = {"profile": render_profile, "update": render_update, "decode": render_decode,
+RENDER = {"profile": render_profile, "layers": render_layers, "update": render_update, "decode": render_decode,
           "prefill": render_prefill}
 SECTIONS = ("update", "profile", "decode", "prefill")
 
@@ -537,6 +605,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         results["update"] = bench_update(keyed(args.budgets), args.kv_bits, args.kv_group_size, repeats=args.repeats)
     if "profile" in args.what:
         results["profile"] = bench_profile(keyed(args.profile_budgets), repeats=max(args.repeats // 4, 6))
+        results["layers"] = bench_layers(keyed(args.profile_budgets), rounds=max(args.rounds, 3), steps=args.steps)
     if "decode" in args.what or "prefill" in args.what:
         model, tokenizer = common.load_or_exit("bench", args.model, dequantize=not args.quantized)
         need = max(args.contexts + [args.prefill_tokens] + [b + PAST for b in args.decode_budgets or []]) + 1
