@@ -54,7 +54,7 @@ Example:
 
 import contextlib
 import sys
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -263,6 +263,15 @@ def _hook(original, reduce: str):
     scaled_dot_product_attention.h2o_original = original
     scaled_dot_product_attention.h2o_reduce = reduce
     return scaled_dot_product_attention
+
+
+def hooked(original: Callable, reduce: str = "mean") -> Callable:
+    """`original` (an attention function with mlx-lm's signature) with the hook around it: what
+    `install_query_hook` puts in a model's modules, for a caller that runs caches without a
+    model (`bench profile`'s layer chain)."""
+    if reduce not in REDUCE:
+        raise ValueError(f"reduce={reduce!r} is invalid: expected one of {sorted(REDUCE)}")
+    return _hook(original, reduce)
 
 
 def model_modules(model: nn.Module):

@@ -219,7 +219,7 @@ def bench_layers(configs, layers: int = 30, rounds: int = 4, steps: int = 16, pa
 
     `configs`: budget -> the key-scoring H2O config at that budget (B=1, 9 query heads over
     3 KV heads, D=64: the bundled model's shape)."""
-    hooked = attention._hook(base_attention, "mean")
+    hooked = attention.hooked(base_attention)
     rows = []
     for budget, cfg in configs.items():
         ctx = mx.random.normal((1, 9, budget + past, 64), key=mx.random.key(budget))
