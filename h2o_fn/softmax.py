@@ -28,8 +28,8 @@ import mlx.core as mx
 _LOWEST = -87.3  # below this the result is 0 (e^-87.34 is the smallest normal float32)
 _HIGHEST = 88.37  # above this it is inf: n would reach 128, past float32's exponents
 _ROUND = 12582912.0  # 1.5 * 2^23: (y + _ROUND) - _ROUND is y rounded to the nearest integer
-# up to this many elements mlx's softmax is faster on a CPU: a decode step's dozen fused
-# primitives cost more to dispatch than its exps (`ranking_softmax`; BENCHMARKS.md, "The softmax
+# up to this many elements mlx's softmax is faster on a CPU: `softmax`'s 17 primitives (mlx fuses
+# at most 11 ops deep) cost more to dispatch than mlx's slower exps (`ranking_softmax`; BENCHMARKS.md, "The softmax
 # without a floor")
 MLX_UP_TO = 8192
 
@@ -91,8 +91,8 @@ def softmax(x: mx.array, axis: int = -1) -> mx.array:
 
 
 def ranking_softmax(x: mx.array, axis: int = -1) -> mx.array:
-    """`softmax`, or mx.softmax itself up to `MLX_UP_TO` elements (one primitive instead of a
-    dozen: faster there, and a few ulp off): for weights that only rank tokens (the key proxy's;
+    """`softmax`, or mx.softmax itself up to `MLX_UP_TO` elements (one primitive instead of
+    17: faster there, and a few ulp off): for weights that only rank tokens (the key proxy's;
     attention's own weights also make its output, and keep `softmax`)."""
     if x.size <= MLX_UP_TO:
         return mx.softmax(x, axis=axis, precise=True)
