@@ -29,8 +29,8 @@ _LOWEST = -87.3  # below this the result is 0 (e^-87.34 is the smallest normal f
 _HIGHEST = 88.37  # above this it is inf: n would reach 128, past float32's exponents
 _ROUND = 12582912.0  # 1.5 * 2^23: (y + _ROUND) - _ROUND is y rounded to the nearest integer
 # up to this many elements mlx's softmax is faster on a CPU: `softmax`'s 17 primitives (mlx fuses
-# at most 11 ops deep) cost more to dispatch than mlx's slower exps (`ranking_softmax`; BENCHMARKS.md, "The softmax
-# without a floor")
+# at most 11 ops deep) cost more to dispatch than mlx's slower exps (`ranking_softmax`;
+# BENCHMARKS.md, "The softmax without a floor")
 MLX_UP_TO = 8192
 
 
