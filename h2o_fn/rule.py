@@ -57,11 +57,17 @@ def protected_argmin(
         >>> protected_argmin(s, p, mx.array([5], dtype=mx.int32), 1, 1).tolist()  # 5 is in grace
         [[2]]
     """
-    candidate = evictable(positions, newest, n_sink, grace)
-    key = mx.where(candidate, mx.where(mx.isnan(scores), -mx.inf, scores), mx.inf)
-    tied = candidate & (key == mx.min(key, axis=-1, keepdims=True))
+    candidate, tied = _lowest_scores(scores, positions, newest, n_sink, grace)
     slot = mx.argmin(mx.where(tied, positions, INT32_MAX), axis=-1).astype(mx.int32)  # unique positions
     return mx.where(mx.any(candidate, axis=-1), slot, -1)
+
+
+def _lowest_scores(scores, positions, newest, n_sink: int, grace: int):
+    """(`[B, H, C]` evictable, `[B, H, C]` evictable and holding the lowest score of its (b, h),
+    NaN as -inf): the rule's first key, which `protected_argmin` and `lowest` break by position."""
+    candidate = evictable(positions, newest, n_sink, grace)
+    key = mx.where(candidate, mx.where(mx.isnan(scores), -mx.inf, scores), mx.inf)
+    return candidate, candidate & (key == mx.min(key, axis=-1, keepdims=True))
 
 
 def lowest(scores: mx.array, positions: mx.array, newest: mx.array, n_sink: int, grace: int) -> mx.array:
@@ -76,9 +82,7 @@ def lowest(scores: mx.array, positions: mx.array, newest: mx.array, n_sink: int,
         >>> lowest(s, p, mx.array([5], dtype=mx.int32), 1, 1).tolist()  # protected_argmin's slot 2
         [[[False, False, True, False]]]
     """
-    candidate = evictable(positions, newest, n_sink, grace)
-    key = mx.where(candidate, mx.where(mx.isnan(scores), -mx.inf, scores), mx.inf)
-    tied = candidate & (key == mx.min(key, axis=-1, keepdims=True))
+    tied = _lowest_scores(scores, positions, newest, n_sink, grace)[1]
     return tied & (positions == mx.min(mx.where(tied, positions, INT32_MAX), axis=-1, keepdims=True))
 
 

@@ -205,18 +205,24 @@ def protected_argmin(
                 "mx.cuda.is_available() are both False; expected one of them True "
                 "(or pass use_kernel=None/False for the pure path)"
             )
-    elif use_kernel is None and mx.default_device().type == mx.gpu:
-        kernel = available_kernel()
+    elif use_kernel is None:
+        kernel = _default_kernel()
     if kernel is None:
         _check(scores, positions, newest)
         return rule.protected_argmin(scores, positions, newest, n_sink, grace)
     return launch(kernel, scores, positions, newest, n_sink, grace)
 
 
+def _default_kernel():
+    """The kernel `protected_argmin(use_kernel=None)` launches: one when the default device is
+    the GPU and a back-end is available, else None (the pure path)."""
+    return available_kernel() if mx.default_device().type == mx.gpu else None
+
+
 def _victims(scores: mx.array, positions: mx.array, newest, n_sink: int, grace: int):
     """The victim as a `[B, H, C]` mask (`h2o_fn.rule.lowest`) where `protected_argmin` would
     take the pure path (use_kernel=None), else None: `evict` then asks the kernel for the slot."""
-    if mx.default_device().type == mx.gpu and available_kernel() is not None:
+    if _default_kernel() is not None:
         return None
     _check(scores, positions, newest)
     return rule.lowest(scores, positions, newest, n_sink, grace)
