@@ -265,13 +265,17 @@ def _hook(original, reduce: str):
     return scaled_dot_product_attention
 
 
+def _checked(reduce: str) -> str:
+    if reduce not in REDUCE:
+        raise ValueError(f"reduce={reduce!r} is invalid: expected one of {sorted(REDUCE)}")
+    return reduce
+
+
 def hooked(original: Callable, reduce: str = "mean") -> Callable:
     """`original` (an attention function with mlx-lm's signature) with the hook around it: what
     `install_query_hook` puts in a model's modules, for a caller that runs caches without a
     model (`bench profile`'s layer chain)."""
-    if reduce not in REDUCE:
-        raise ValueError(f"reduce={reduce!r} is invalid: expected one of {sorted(REDUCE)}")
-    return _hook(original, reduce)
+    return _hook(original, _checked(reduce))
 
 
 def model_modules(model: nn.Module):
@@ -290,8 +294,7 @@ def install_query_hook(model: nn.Module, reduce: str = "mean") -> int:
     Returns the number of modules hooked: 0 when the model never calls
     `mlx_lm.models.base.scaled_dot_product_attention` (nothing can see its weights).
     """
-    if reduce not in REDUCE:
-        raise ValueError(f"reduce={reduce!r} is invalid: expected one of {sorted(REDUCE)}")
+    _checked(reduce)
     modules = model_modules(model)
     for module in modules:
         fn = getattr(module, NAME)

@@ -244,9 +244,9 @@ def bench_layers(configs, layers: int = 30, rounds: int = 4, steps: int = 16, pa
                 times[name].append((time.perf_counter() - t) / steps * 1e3)
         rotating = times[next(iter(times))]
         for name, ms in times.items():
-            paired = statistics.median(r / m for r, m in zip(rotating, ms))
-            rows.append({"budget": budget, "cache": name, "ms_per_token": statistics.median(ms),
-                         "us_per_layer": statistics.median(ms) * 1e3 / layers, "paired": paired})
+            median = statistics.median(ms)
+            rows.append({"budget": budget, "cache": name, "ms_per_token": median,
+                         "us_per_layer": median * 1e3 / layers, "paired": _paired_ratio(rotating, ms)})
         print(f"layers budget {budget}: " + "  ".join(
             f"{r['cache']} {r['us_per_layer']:.0f}us ({r['paired']:.2f}x)" for r in rows if r["budget"] == budget),
             flush=True)
@@ -520,11 +520,16 @@ def render_decode(d: dict) -> List[str]:
     )
 
 
+def _paired_ratio(rotating_ms: List[float], ms: List[float]) -> float:
+    """Median over rounds of rotating / this cache, each round against its own."""
+    return statistics.median(a / b for a, b in zip(rotating_ms, ms))
+
+
 def _paired(rotating_ms: List[float], ms: List[float]) -> str:
-    """Median over rounds of rotating / this cache, each round against its own (or '')."""
+    """`_paired_ratio` as the table prints it (or '' without rounds to pair)."""
     if len(ms) < 2 or len(rotating_ms) != len(ms):
         return ""
-    return f"{statistics.median(a / b for a, b in zip(rotating_ms, ms)):.2f}x"
+    return f"{_paired_ratio(rotating_ms, ms):.2f}x"
 
 
 def _spread(ms: List[float]) -> str:
