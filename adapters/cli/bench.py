@@ -208,7 +208,6 @@ def bench_profile(configs, layers=30, repeats=60) -> list:
     return rows
 
 
-
 def bench_layers(configs, layers: int = 30, rounds: int = 4, steps: int = 16, past: int = 64) -> list:
     """Decode tokens through `layers` chained layers of cache + attention, without the model:
     RotatingKVCache (mlx-lm's attention) beside H2O key and query (the hook's), each layer
@@ -260,6 +259,7 @@ def _through_layers(attend, caches, x: mx.array) -> mx.array:
         keys, values = cache.update_and_fetch(x[:, :3], x[:, 3:6])
         x = attend(x, keys, values, cache=cache, scale=0.125, mask=mask)
     return x
+
 
 def _staged_rows(cfg, ctx, budget: int, layers: int, repeats: int, k: int = 8) -> list:
     """evict_every = k, per token: k admits (row writes) then the k judged as one chunk, in
