@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from h2o_fn import H2OConfig, H2OState, Policy, Prompt, Storage, budgets, core, prefill, retention, scoring, storage, view
+from h2o_fn.metal_ops import cpu_step
 from h2o_fn.state import FREE, RESERVED
 
 from . import staging
@@ -127,10 +128,15 @@ def _plain(s: CacheState) -> bool:
 
 
 def _plain_decode(s: CacheState, policy: Policy, keys: mx.array, values: mx.array):
-    """`update` of one token `[B, H, 1, D]` on a `_plain` state: `_decode` and the counts, the
-    rest of `update`'s bookkeeping known (every row takes it, nothing staged or followed)."""
+    """`update` of one token `[B, H, 1, D]` on a `_plain` state: `_decode` (or, key-scored where
+    `cpu_step.fused` says, the whole step as the C++ op) and the counts, the rest of `update`'s
+    bookkeeping known (every row takes it, nothing staged or followed)."""
     span, held = view.span_for(s.lengths, slots(s, policy.config)), policy.config.budget + len(s.staged.keys)
-    s, out = _decode(s, policy, keys, values, span, None)
+    if cpu_step.fused(policy, s.core, span):  # the admitted rows stay where they are: the view is the admitted state's
+        core = cpu_step.key_step(s.core, keys, values, policy.config)
+        s, out = s._replace(core=core), view.view(core, span)
+    else:
+        s, out = _decode(s, policy, keys, values, span, None)
     return s._replace(seen=tuple(a + 1 for a in s.seen), lengths=tuple(min(k + 1, held) for k in s.lengths),
                       span=span, last=None, head_mask=None), out
 

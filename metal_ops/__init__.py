@@ -1,4 +1,5 @@
-"""The fused protected-argmin op: Metal and CUDA kernels with a pure MLX fallback."""
+"""The kernel ops: the fused protected argmin (Metal and CUDA kernels with a pure MLX fallback,
+`evict`) and, on the CPU, a key-scored decode token as C++ mlx primitives (`cpu_step`)."""
 
 from .evict import (
     BODY,

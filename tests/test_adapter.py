@@ -21,6 +21,7 @@ from mlx_lm.models.cache import (
 import h2o_fn
 from h2o_fn import H2OConfig, Prompt, Storage, absorb, assert_invariants, check_invariants, init, kept_positions, step
 from h2o_fn.adapters import attention
+from h2o_fn.metal_ops import cpu_step
 from h2o_fn.adapters.attention import (
     attention_with_weights,
     install_query_hook,
@@ -92,6 +93,7 @@ def test_key_scoring_in_the_hook_keeps_what_the_core_keeps(llama32, kv_bits, evi
     the key itself at the next update (or flush). All keep the same tokens with the same
     scores (to float rounding)."""
     monkeypatch.setattr(attention, "FUSED_UP_TO", fused_up_to)
+    monkeypatch.setattr(cpu_step, "UP_TO", 0)  # the core's path (the C++ key step is tests/test_cpu_step.py's)
     cfg = H2OConfig(budget=12, n_sink=2, grace=3, scoring="key")
     hooked = make_h2o_cache(llama32, cfg, kv_bits=kv_bits, kv_group_size=32, evict_every=evict_every)
     run(llama32, hooked)
@@ -112,12 +114,13 @@ def test_key_scoring_in_the_hook_keeps_what_the_core_keeps(llama32, kv_bits, evi
         assert_invariants(a.core_state, cfg)
 
 
-def test_a_waiting_key_scored_token_settles_like_a_step():
+def test_a_waiting_key_scored_token_settles_like_a_step(monkeypatch):
     """`settle_proxy` (no hook) and `receive_proxy` (the proxy row's logits over the view) give
     the state `core.step` gives."""
     from h2o_fn import policy as make_policy
     from h2o_fn.adapters import cache_state
 
+    monkeypatch.setattr(cpu_step, "UP_TO", 0)  # a token that waits: the core's path
     p = make_policy(H2OConfig(budget=6, n_sink=1, grace=2, scoring="key"))
     s = cache_state.CacheState()
     keys = mx.random.normal((2, 3, 12, 8), key=mx.random.key(1))
@@ -358,12 +361,13 @@ def test_wrong_call_forms_name_the_right_one(llama):
         H2OKVCache(budget=0)
 
 
-def test_reading_a_cache_changes_nothing(llama):
+def test_reading_a_cache_changes_nothing(llama, monkeypatch):
     """Properties and predicates are reads: `state`, `layer_state`, `core_state` and
     `is_trimmable()` leave the cache's state as it was (a waiting key-scored token is settled
     on a copy, twice the same), and `is_trimmable()` is a bool in every state."""
     from h2o_fn.adapters import cache_state
 
+    monkeypatch.setattr(cpu_step, "UP_TO", 0)  # the core's path, where a decode token waits
     cfg = H2OConfig(budget=8, n_sink=1, grace=2, scoring="key")
     cache = make_h2o_cache(llama, cfg)
     remove_query_hook(llama)  # no hook: each decode token waits for its own proxy

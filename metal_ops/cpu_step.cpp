@@ -1,0 +1,331 @@
+// A key-scored decode token as one mlx primitive on the CPU (h2o_fn.metal_ops.cpu_step builds it).
+//
+// What h2o_fn.core.admit then h2o_fn.core.settle_key do for one token with every batch row
+// taking it (alive=None) and rows stored dense, per (b, h):
+//   1. admit: the token's key and value rows (cast to the store's dtype) go into the first free
+//      slot (position -1; slot 0 when none is, as mx.argmax gives), at position seen[b];
+//      length and seen grow by one;
+//   2. weights: softmax over the slots holding a token other than the new one of
+//      K_j . (k * scale), in float32 (k as given, K as stored); 0 elsewhere, 0 when none is;
+//   3. settle: scores <- decay * scores + w (two roundings: built with -ffp-contract=off), then a
+//      row holding more than `budget` tokens frees its lowest (score, position) token that is
+//      neither a sink (p < n_sink) nor in the grace window (p > newest - grace); NaN as -inf.
+// The stores come back with the new rows written in place when mlx can donate them (nothing else
+// holds them), else copied once. The evicted token's rows stay where they are: the decode view
+// of this token (the first span slots) is the admitted state's.
+// Shapes: keys [B, H, C, Dk], values [B, H, C, Dv], scores and positions [B, H, C], length and
+// seen [B], key [B, H, 1, Dk], value [B, H, 1, Dv].
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
+
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/backend/cpu/simd/simd.h"
+#include "mlx/primitives.h"
+
+namespace nb = nanobind;
+using namespace mlx::core;
+
+extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha, const float* A,
+                            int lda, const float* B, int ldb, float beta, float* C, int ldc);  // mlx's BLAS
+
+namespace {
+
+struct Knobs {
+  float decay, scale;
+  int n_sink, grace, budget;
+};
+
+float load(const array& a, int64_t i) {
+  switch (a.dtype()) {
+    case float16: return static_cast<float>(a.data<float16_t>()[i]);
+    case bfloat16: return static_cast<float>(a.data<bfloat16_t>()[i]);
+    default: return a.data<float>()[i];
+  }
+}
+
+int64_t at(const array& a, int64_t i0, int64_t i1, int64_t i2, int64_t i3 = 0) {
+  int64_t o = i0 * a.strides(0) + i1 * a.strides(1) + i2 * a.strides(2);
+  return a.ndim() > 3 ? o + i3 * a.strides(3) : o;
+}
+
+// out: a row-contiguous copy of `in`
+template <typename T>
+void copy_store(const array& in, array& out) {
+  const T* src = in.data<T>();
+  T* dst = out.data<T>();
+  int B = in.shape(0), H = in.shape(1), C = in.shape(2), D = in.shape(3);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h)
+      for (int c = 0; c < C; ++c) {
+        T* row = dst + ((static_cast<int64_t>(b) * H + h) * C + c) * D;
+        for (int d = 0; d < D; ++d) row[d] = src[at(in, b, h, c, d)];
+      }
+}
+
+template <typename T>
+void put_row(array& store, const array& row, int b, int h, int c) {
+  int H = store.shape(1), C = store.shape(2), D = store.shape(3);
+  T* dst = store.data<T>() + ((static_cast<int64_t>(b) * H + h) * C + c) * D;
+  for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(load(row, at(row, b, h, 0, d)));
+}
+
+void store_copy(const array& in, array& out) {
+  switch (in.dtype()) {
+    case float16: return copy_store<float16_t>(in, out);
+    case bfloat16: return copy_store<bfloat16_t>(in, out);
+    default: return copy_store<float>(in, out);
+  }
+}
+
+void store_row(array& store, const array& row, int b, int h, int c) {
+  switch (store.dtype()) {
+    case float16: return put_row<float16_t>(store, row, b, h, c);
+    case bfloat16: return put_row<bfloat16_t>(store, row, b, h, c);
+    default: return put_row<float>(store, row, b, h, c);
+  }
+}
+
+// n half-precision values as float32 (exact, however computed): F16C's 8 at a time where the
+// CPU has it (asked at run time), bfloat16 as its bits moved up
+#if defined(__x86_64__)
+__attribute__((target("avx,f16c"))) void widen_f16c(const float16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+#endif
+
+void widen(const float16_t* src, float* dst, int64_t n) {
+#if defined(__x86_64__)
+  static const bool f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  if (f16c) return widen_f16c(src, dst, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+void widen(const bfloat16_t* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t wide = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(dst + i, &wide, sizeof(float));
+  }
+}
+
+// the key proxy's weights of row (b, h) into w [C], as h2o_fn.scoring.proxy_weights computes them
+// with mx.softmax (up to h2o_fn.softmax.MLX_UP_TO elements): the keys as float32, their product with
+// q by the cblas_sgemm call mlx's matmul makes, then mlx's CPU softmax (simd::exp, one lane on x86)
+template <typename T>
+void proxy_of(const array& keys, const std::vector<float>& q, const int32_t* pos, int32_t newest, int b, int h,
+              std::vector<float>& kf, std::vector<float>& w) {
+  int H = keys.shape(1), C = keys.shape(2), D = keys.shape(3);
+  const T* rows = keys.data<T>() + (static_cast<int64_t>(b) * H + h) * C * D;
+  const float* k32 = reinterpret_cast<const float*>(rows);
+  if constexpr (!std::is_same_v<T, float>) {
+    widen(rows, kf.data(), static_cast<int64_t>(C) * D);
+    k32 = kf.data();
+  }
+  cblas_sgemm(101, 111, 112, 1, C, D, 1.0f, q.data(), D, k32, D, 0.0f, w.data(), C);  // row-major, q . K^T
+  const float inf = std::numeric_limits<float>::infinity();
+  float top = -inf;
+  for (int c = 0; c < C; ++c) {
+    if (pos[c] < 0 || pos[c] == newest) w[c] = -inf;
+    top = std::max(top, w[c]);  // as simd::maximum: NaN in w does not propagate
+  }
+  float sum = 0.0f;
+  for (int c = 0; c < C; ++c) {
+    w[c] = simd::exp(simd::Simd<float, 1>(w[c] - top)).value;
+    sum += w[c];
+  }
+  float inv = 1 / sum;
+  for (int c = 0; c < C; ++c) {
+    w[c] *= inv;
+    if (std::isnan(w[c])) w[c] = 0.0f;  // mx.nan_to_num: no visible slot, or NaN keys
+  }
+}
+
+void proxy(const array& keys, const std::vector<float>& q, const int32_t* pos, int32_t newest, int b, int h,
+           std::vector<float>& kf, std::vector<float>& w) {
+  switch (keys.dtype()) {
+    case float16: return proxy_of<float16_t>(keys, q, pos, newest, b, h, kf, w);
+    case bfloat16: return proxy_of<bfloat16_t>(keys, q, pos, newest, b, h, kf, w);
+    default: return proxy_of<float>(keys, q, pos, newest, b, h, kf, w);
+  }
+}
+
+int first_free(const array& pos, int b, int h) {  // mx.argmax(positions == -1): slot 0 when none is free
+  for (int c = 0; c < pos.shape(2); ++c)
+    if (pos.data<int32_t>()[at(pos, b, h, c)] == -1) return c;
+  return 0;
+}
+
+// store' = store with each (b, h)'s row written into its first free slot
+void write_rows(const array& store, const array& pos, const array& row, array& out, bool copy) {
+  if (copy) store_copy(store, out);
+  if (out.shape(3) == 0) return;
+  for (int b = 0; b < out.shape(0); ++b)
+    for (int h = 0; h < out.shape(1); ++h) store_row(out, row, b, h, first_free(pos, b, h));
+}
+
+struct Io {
+  array keys, scores, pos, length, seen, key;  // inputs: keys already hold the new rows
+  array s_out, p_out, l_out, n_out;  // outputs
+};
+
+void settle(Io& io, Knobs kn) {
+  int B = io.scores.shape(0), H = io.scores.shape(1), C = io.scores.shape(2), Dk = io.key.shape(3);
+  const float* s = io.scores.data<float>();
+  const int32_t* p = io.pos.data<int32_t>();
+  const int32_t* len = io.length.data<int32_t>();
+  const int32_t* seen = io.seen.data<int32_t>();
+  float* so = io.s_out.data<float>();
+  int32_t* po = io.p_out.data<int32_t>();
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> q(Dk), w(C), kf(static_cast<size_t>(C) * Dk);
+  for (int b = 0; b < B; ++b) {
+    int32_t length = len[b * io.length.strides(0)] + 1, newest = seen[b * io.seen.strides(0)];
+    bool over = length > kn.budget;
+    io.l_out.data<int32_t>()[b] = over ? length - 1 : length;
+    io.n_out.data<int32_t>()[b] = newest + 1;
+    for (int h = 0; h < H; ++h) {
+      int32_t* pr = po + (static_cast<int64_t>(b) * H + h) * C;
+      float* sr = so + (static_cast<int64_t>(b) * H + h) * C;
+      for (int c = 0; c < C; ++c) pr[c] = p[at(io.pos, b, h, c)];
+      pr[first_free(io.pos, b, h)] = newest;
+      for (int d = 0; d < Dk; ++d) q[d] = load(io.key, at(io.key, b, h, 0, d)) * kn.scale;
+      proxy(io.keys, q, pr, newest, b, h, kf, w);
+      float lowest = inf;
+      auto rank = [&](int c) {  // h2o_fn.rule._lowest_scores' key: inf for a protected slot
+        bool evictable = pr[c] >= kn.n_sink && pr[c] <= newest - kn.grace;
+        return evictable ? (std::isnan(sr[c]) ? -inf : sr[c]) : inf;
+      };
+      for (int c = 0; c < C; ++c) {
+        float decayed = kn.decay * s[at(io.scores, b, h, c)];
+        sr[c] = decayed + w[c];
+        lowest = std::min(lowest, rank(c));
+      }
+      if (!over) continue;
+      int victim = -1, first = std::numeric_limits<int>::max();
+      for (int c = 0; c < C; ++c) {
+        bool evictable = pr[c] >= kn.n_sink && pr[c] <= newest - kn.grace;
+        if (evictable && rank(c) == lowest && pr[c] < first) {
+          first = pr[c];
+          victim = c;
+        }
+      }
+      if (victim >= 0) {
+        sr[victim] = 0.0f;
+        pr[victim] = -1;
+      }
+    }
+  }
+}
+
+array weak(const array& a) {  // for a task that runs after eval_cpu returns, when the primitive may be gone
+  return array::unsafe_weak_copy(a);
+}
+
+void encode(Stream s, const std::vector<array>& in, std::vector<array>& out) {
+  auto& enc = cpu::get_command_encoder(s);
+  for (auto& a : in) enc.set_input_array(a);
+  for (auto& o : out) enc.set_output_array(o);
+}
+
+// A store with one row per (b, h) written into its first free slot: in place when nothing else
+// holds the store (one output, so mlx can donate its input), else into a copy.
+class H2OWriteRow : public Primitive {
+ public:
+  explicit H2OWriteRow(Stream s) : Primitive(s) {}
+
+  void eval_cpu(const std::vector<array>& in, std::vector<array>& out) override {
+    bool copy = !(in[0].is_donatable() && in[0].flags().row_contiguous);
+    if (copy) out[0].set_data(allocator::malloc(out[0].nbytes()));
+    else out[0].copy_shared_buffer(in[0]);
+    encode(stream(), in, out);
+    cpu::get_command_encoder(stream()).dispatch(
+        [st = weak(in[0]), ps = weak(in[1]), rw = weak(in[2]), o = weak(out[0]), copy]() mutable {
+          write_rows(st, ps, rw, o, copy);
+        });
+  }
+
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("H2OWriteRow runs on the CPU only");
+  }
+
+  const char* name() const override { return "H2OWriteRow"; }
+};
+
+// The admitted token's positions, counts and scores: its key's proxy weights decay-added, then
+// one eviction in each row over budget.
+class H2OKeySettle : public Primitive {
+ public:
+  H2OKeySettle(Stream s, Knobs knobs) : Primitive(s), knobs_(knobs) {}
+
+  void eval_cpu(const std::vector<array>& in, std::vector<array>& out) override {
+    for (auto& o : out) o.set_data(allocator::malloc(o.nbytes()));
+    encode(stream(), in, out);
+    Io io{weak(in[0]), weak(in[1]), weak(in[2]), weak(in[3]), weak(in[4]), weak(in[5]),
+          weak(out[0]), weak(out[1]), weak(out[2]), weak(out[3])};
+    cpu::get_command_encoder(stream()).dispatch([io = std::move(io), kn = knobs_]() mutable { settle(io, kn); });
+  }
+
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("H2OKeySettle runs on the CPU only");
+  }
+
+  const char* name() const override { return "H2OKeySettle"; }
+
+ private:
+  Knobs knobs_;
+};
+
+void need(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("key_step: " + what);
+}
+
+std::vector<array> key_step(const array& keys, const array& values, const array& scores, const array& positions,
+                            const array& length, const array& seen, const array& key, const array& value,
+                            float decay, float scale, int n_sink, int grace, int budget) {
+  auto fl = [](const array& a) { return a.dtype() == float16 || a.dtype() == bfloat16 || a.dtype() == float32; };
+  need(keys.ndim() == 4 && values.ndim() == 4 && scores.ndim() == 3, "expected keys, values [B, H, C, D], scores [B, H, C]");
+  int B = scores.shape(0), H = scores.shape(1), C = scores.shape(2);
+  need(keys.shape(0) == B && keys.shape(1) == H && keys.shape(2) == C && values.shape(0) == B &&
+           values.shape(1) == H && values.shape(2) == C && positions.shape() == scores.shape(),
+       "keys, values, scores and positions disagree on [B, H, C]");
+  need(key.shape() == Shape{B, H, 1, keys.shape(3)} && value.shape() == Shape{B, H, 1, values.shape(3)},
+       "expected key [B, H, 1, Dk] and value [B, H, 1, Dv]");
+  need(length.shape() == Shape{B} && seen.shape() == Shape{B}, "expected length and seen [B]");
+  need(fl(keys) && fl(values) && fl(key) && fl(value) && scores.dtype() == float32 && positions.dtype() == int32 &&
+           length.dtype() == int32 && seen.dtype() == int32,
+       "expected float stores and rows, float32 scores, int32 positions, length and seen");
+  Stream cpu_stream = default_stream(Device::cpu);
+  auto write = [&](const array& store, const array& row) {
+    return array(store.shape(), store.dtype(), std::make_shared<H2OWriteRow>(cpu_stream), {store, positions, row});
+  };
+  array k2 = write(keys, key), v2 = write(values, value);
+  auto rest = array::make_arrays({scores.shape(), positions.shape(), length.shape(), seen.shape()},
+                                 {float32, int32, int32, int32},
+                                 std::make_shared<H2OKeySettle>(cpu_stream, Knobs{decay, scale, n_sink, grace, budget}),
+                                 {k2, scores, positions, length, seen, key});
+  return {k2, v2, rest[0], rest[1], rest[2], rest[3]};
+}
+
+}  // namespace
+
+NB_MODULE(_h2o_cpu_step, m) {
+  nb::module_::import_("mlx.core");
+  m.def("key_step", &key_step,
+        "(keys, values, scores, positions, length, seen)' after admitting one token and settling it by its key");
+}

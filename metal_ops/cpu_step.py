@@ -1,0 +1,142 @@
+"""A key-scored decode token as C++ mlx primitives on the CPU: `key_step`.
+
+On a CPU mlx dispatches each primitive for a few microseconds whatever it computes, and a
+key-scored decode token costs `h2o_fn.core`'s admit and settle_key 35 more of them per layer
+than the rotating cache's update (BENCHMARKS.md, "Decode at every budget"). `cpu_step.cpp`
+does the same work in three: each store's row write (in place when nothing else holds the
+store: one output, which mlx can donate its input to), then the key proxy's weights, the
+decay-add and the eviction. Its spec is the core: `key_step(state, key, value, config)` is
+`settle_key(admit(state, key, value), key, config)` (dense rows, every batch row taking the
+token), bit for bit: the weights come from the same `cblas_sgemm` call mlx's matmul makes and
+mlx's own softmax (`exact` states; tests/test_cpu_step.py).
+
+`make setup` runs `python -m h2o_fn.metal_ops.cpu_step`, which builds it with cmake, g++ and
+nanobind (the version and domain mlx's own module was built with) into this environment's
+`lib/h2o_fn/`. Where it is not built (no compiler, another mlx ABI, a GPU), `available()` is
+False and callers keep the core's path.
+
+Example:
+    >>> import mlx.core as mx
+    >>> from h2o_fn import H2OConfig, admit, init, settle_key
+    >>> cfg = H2OConfig(budget=4, n_sink=1, grace=1, scoring="key")
+    >>> s = init(cfg, 1, 2, 8)
+    >>> for _ in range(6):
+    ...     kv = mx.random.normal((1, 2, 1, 8))
+    ...     fused = key_step(s, kv, kv, cfg) if available() else settle_key(admit(s, kv, kv), kv, cfg)
+    ...     s = settle_key(admit(s, kv, kv), kv, cfg)
+    ...     assert mx.array_equal(fused.positions, s.positions).item()
+    >>> s.length.tolist()
+    [4]
+"""
+
+import functools
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+
+from h2o_fn import H2OConfig, Policy, rule, storage
+from h2o_fn.softmax import MLX_UP_TO
+from h2o_fn.state import H2OState
+
+from . import evict
+
+NAME = "_h2o_cpu_step"
+SOURCE = Path(__file__).resolve().parent  # cpu_step.cpp and its CMakeLists.txt
+UP_TO = 1025  # slots of the view up to which `fused` takes a decode token (BENCHMARKS.md, "Decode at every budget")
+
+
+def library_dir() -> Path:
+    """Where `build` puts the module: this environment's `lib/h2o_fn/` (beside adapters.blas's)."""
+    return Path(sys.prefix) / "lib" / "h2o_fn"
+
+
+def build() -> Optional[Path]:
+    """Build the module (cmake, g++, nanobind) into `library_dir()`, atomically. Returns its
+    path, or None without cmake, a compiler or nanobind."""
+    beside = Path(sys.executable).with_name("cmake")  # the bench extra's, in this environment
+    cmake = str(beside) if beside.is_file() else shutil.which("cmake")
+    if cmake is None or shutil.which("g++") is None or importlib.util.find_spec("nanobind") is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        run = functools.partial(subprocess.run, check=True, capture_output=True)
+        run([cmake, "-S", str(SOURCE), "-B", tmp, "-DCMAKE_BUILD_TYPE=Release", f"-DPython_EXECUTABLE={sys.executable}"])
+        run([cmake, "--build", tmp, "-j", "2"])
+        made = next(Path(tmp).glob(f"{NAME}*.so"), None)
+        if made is None:
+            return None
+        out = library_dir() / made.name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(made, out.with_suffix(".tmp"))
+        os.replace(out.with_suffix(".tmp"), out)  # a reader sees the old module or the new one
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def module():
+    """The built module when it loads and takes this mlx's arrays, else None."""
+    found = sorted(library_dir().glob(f"{NAME}*.so"))
+    if not found:
+        return None
+    spec = importlib.util.spec_from_file_location(NAME, found[0])
+    try:
+        m = importlib.util.module_from_spec(spec)  # an extension module loads here
+        spec.loader.exec_module(m)
+        z, n = mx.zeros((1, 1, 2, 1)), mx.zeros((1,), dtype=mx.int32)
+        mx.eval(m.key_step(z, z, mx.zeros((1, 1, 2)), mx.full((1, 1, 2), -1, mx.int32), n, n, z[:, :, :1],
+                           z[:, :, :1], 1.0, 1.0, 0, 0, 1))
+    except (ImportError, TypeError) as e:  # another mlx: its nanobind ABI or array type differs
+        print(f"h2o_fn.metal_ops.cpu_step: {found[0]} does not load with mlx {mx.__version__} ({e}); "
+              "the core's key step is used (make setup rebuilds it)", file=sys.stderr)
+        return None
+    return m
+
+
+def available() -> bool:
+    """Whether `key_step` can run: the module is built and the default device is the CPU."""
+    return mx.default_device() == mx.cpu and module() is not None
+
+
+def fused(policy: Policy, state: H2OState, span: int) -> bool:
+    """Whether a plain key-scored decode token into `state`, over a view of `span` slots, goes
+    through `key_step`: built, on the CPU, dense rows, the rule's own eviction (not a custom
+    `argmin`), an `exact` state, and at most `UP_TO` slots in the view (above, the attention
+    hook's explicit attention takes the proxy's logits from its own product of the keys, and
+    mlx-lm's attention is the slower one)."""
+    return (policy.config.scoring == "key" and policy.kv.bits is None and span <= UP_TO and exact(state)
+            and policy.argmin in (rule.protected_argmin, evict.protected_argmin) and available())
+
+
+def exact(state: H2OState) -> bool:
+    """Whether the core's proxy softmax over this state is mlx's own (`ranking_softmax`: at
+    most `MLX_UP_TO` elements), the one `key_step` reproduces bit for bit."""
+    return state.scores.size <= MLX_UP_TO
+
+
+def key_step(state: H2OState, key: mx.array, value: mx.array, config: H2OConfig) -> H2OState:
+    """`core.settle_key(core.admit(state, key, value), key, config)` as one primitive: one token
+    `[B, H, 1, D]` written into the first free slot of dense stores `[B, H, C, D]`, scored by its
+    key, settled. Every batch row takes it. Needs `available()`."""
+    if storage.is_quantized(state.keys) or config.scoring != "key" or not exact(state):
+        raise ValueError(f"key_step takes dense rows, scoring='key' and at most {MLX_UP_TO} slots: got "
+                         f"{config.scoring!r}, {'quantized' if storage.is_quantized(state.keys) else 'dense'} "
+                         f"rows, {state.scores.size} slots")
+    out = module().key_step(*state, key, value, config.decay, key.shape[-1] ** -0.5, config.n_sink,
+                            config.grace, config.budget)
+    return H2OState(*out)
+
+
+if __name__ == "__main__":
+    try:
+        made = build()
+    except subprocess.CalledProcessError as e:  # the core's key step stays
+        print(f"cpu_step: could not build {NAME}: {(e.stderr or b'').decode()[-800:]}", file=sys.stderr)
+        sys.exit(0)
+    print(f"cpu_step: {made} (a key-scored decode token as one CPU primitive)" if made else
+          "cpu_step: no cmake, g++ or nanobind; the core's key step stays")

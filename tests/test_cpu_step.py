@@ -1,0 +1,141 @@
+"""The C++ key step (`h2o_fn.metal_ops.cpu_step`) against its spec, the core's admit then
+settle_key: the same slots, positions, counts and rows, scores to a few ulp (its float32 sums
+run in another order than mlx's matmul), over whole decodes and on random states."""
+
+import sys
+
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from h2o_fn import H2OConfig, absorb, admit, init, settle_key
+from h2o_fn.metal_ops import cpu_step
+
+pytestmark = pytest.mark.skipif(not cpu_step.available(),
+                                reason="the C++ key step is not built here (make setup: cmake, g++, nanobind)")
+
+
+def both(s, k, v, cfg):
+    return cpu_step.key_step(s, k, v, cfg), settle_key(admit(s, k, v), k, cfg)
+
+
+def assert_same(got, want):
+    for name in ("keys", "values", "positions", "length", "seen"):
+        assert mx.array_equal(getattr(got, name), getattr(want, name)).item(), name
+    assert mx.array_equal(got.scores, want.scores).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("B", [1, 3])
+def test_a_decode_keeps_what_the_core_keeps(dtype, B):
+    cfg = H2OConfig(budget=16, n_sink=2, grace=3, decay=0.98, scoring="key")
+    s = init(cfg, B, 3, 8, dtype=dtype)
+    mine = s
+    for t in range(60):
+        k, v = (mx.random.normal((B, 3, 1, 8), key=mx.random.key(2 * t + i)).astype(dtype) for i in (0, 1))
+        mine, s = cpu_step.key_step(mine, k, v, cfg), settle_key(admit(s, k, v), k, cfg)
+        assert_same(mine, s)
+        mine = s  # each token from the same state: scores' last bits do not compound
+    assert s.length.tolist() == [16] * B
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**30), C=st.sampled_from([9, 65, 258]), n_sink=st.integers(0, 3),
+       grace=st.integers(0, 4), decay=st.sampled_from([1.0, 0.9]), strided=st.booleans(),
+       wide=st.booleans())
+def test_random_states(seed, C, n_sink, grace, decay, strided, wide):
+    cfg = H2OConfig(budget=C - 1, n_sink=n_sink, grace=grace, decay=decay, scoring="key")
+    keys = mx.random.normal((2, 3, C + 7, 16), key=mx.random.key(seed))
+    s = absorb(init(cfg, 2, 3, 16, dtype=mx.float32 if wide else mx.float16), keys, keys, cfg)
+    k = mx.random.normal((2, 1, 3, 16), key=mx.random.key(seed + 1))
+    k = k.transpose(0, 2, 1, 3) if strided else k.reshape(2, 3, 1, 16)  # as a model's projection hands it
+    assert_same(*both(s, k, k * 2, cfg))
+
+
+def test_below_budget_and_a_key_only_cache():
+    cfg = H2OConfig(budget=8, n_sink=1, grace=1, scoring="key")
+    s = init(cfg, 1, 2, 4)
+    s = s._replace(values=mx.zeros((1, 2, 9, 0), dtype=s.keys.dtype))  # rows of width 0
+    for t in range(5):
+        k = mx.random.normal((1, 2, 1, 4), key=mx.random.key(t))
+        got, s = both(s, k, mx.zeros((1, 2, 1, 0)), cfg)
+        assert_same(got, s)
+    assert s.length.tolist() == [5]
+
+
+def test_the_stores_are_written_in_place_when_nothing_else_holds_them():
+    cfg = H2OConfig(budget=64, scoring="key")
+    k = mx.ones((1, 3, 1, 64))
+    s = cpu_step.key_step(init(cfg, 1, 3, 64), k, k, cfg)
+    mx.eval(s)
+    held = mx.get_active_memory()
+    mx.reset_peak_memory()
+    s = cpu_step.key_step(s, k, k, cfg)  # the old state's arrays: held by the graph only
+    mx.eval(s)
+    assert mx.get_peak_memory() - held < s.keys.nbytes // 4  # no second store
+
+
+def test_a_state_still_held_is_not_written():
+    cfg = H2OConfig(budget=8, n_sink=1, grace=1, scoring="key")
+    s = cpu_step.key_step(init(cfg, 1, 2, 4), mx.ones((1, 2, 1, 4)), mx.ones((1, 2, 1, 4)), cfg)
+    mx.eval(s)
+    keys = mx.array(s.keys)
+    t = cpu_step.key_step(s, mx.full((1, 2, 1, 4), 2.0), mx.full((1, 2, 1, 4), 2.0), cfg)
+    mx.eval(t)
+    assert mx.array_equal(s.keys, keys).item() and not mx.array_equal(t.keys, keys).item()
+
+
+def test_bad_inputs_name_what_was_expected():
+    cfg = H2OConfig(budget=4, n_sink=1, grace=1, scoring="key")
+    s = init(cfg, 1, 2, 8)
+    with pytest.raises(ValueError, match="expected key"):
+        cpu_step.module().key_step(*s, mx.zeros((1, 2, 2, 8)), mx.zeros((1, 2, 1, 8)), 1.0, 1.0, 0, 0, 4)
+    with pytest.raises(ValueError, match="scoring='key'"):
+        cpu_step.key_step(s, mx.zeros((1, 2, 1, 8)), mx.zeros((1, 2, 1, 8)), cfg._replace(scoring="query"))
+
+
+def test_a_module_built_for_another_mlx_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "_h2o_cpu_step.so").write_bytes(b"not a library")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "env"))
+    monkeypatch.setattr(cpu_step, "library_dir", lambda: tmp_path)
+    cpu_step.module.cache_clear()
+    try:
+        assert cpu_step.module() is None
+    finally:
+        cpu_step.module.cache_clear()
+
+
+@pytest.mark.parametrize("hooked", [True, False])
+def test_a_models_decode_through_it_is_the_cores(hooked, monkeypatch):
+    """mlx-lm's decode loop with the adapter: the C++ step (`cpu_step.fused`) and the core's path
+    give the same logits, kept positions and scores, bit for bit."""
+    from mlx_lm.generate import generate_step
+
+    from h2o_fn.adapters.attention import remove_query_hook
+    from h2o_fn.adapters.mlx_lm import h2o_caches, make_h2o_cache
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    cfg = H2OConfig(budget=12, n_sink=1, grace=2, scoring="key")
+    prompt = mx.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4])
+    runs, calls, key_step = [], [], cpu_step.key_step
+    monkeypatch.setattr(cpu_step, "key_step", lambda *a: (calls.append(1), key_step(*a))[1])
+    try:
+        for up_to in (cpu_step.UP_TO, 0):
+            monkeypatch.setattr(cpu_step, "UP_TO", up_to)
+            cache = make_h2o_cache(model, cfg)
+            if not hooked:
+                remove_query_hook(model)
+            steps = generate_step(prompt, model, prompt_cache=cache, max_tokens=30)
+            logits = mx.stack([mx.array(lp) for _, lp in steps])
+            for c in h2o_caches(cache):
+                c.flush()
+            runs.append((logits, [c.core_state for c in h2o_caches(cache)]))
+    finally:
+        remove_query_hook(model)
+    (a, sa), (b, sb) = runs
+    assert len(calls) >= 29 * len(sa)  # every decode token of every layer, in the first run only
+    assert mx.array_equal(a, b).item()
+    for x, y in zip(sa, sb):
+        assert mx.array_equal(x.positions, y.positions).item() and mx.array_equal(x.scores, y.scores).item()
