@@ -124,6 +124,59 @@ void widen(const bfloat16_t* src, float* dst, int64_t n) {
   }
 }
 
+// w[c] <- exp(w[c] - top) as mlx's softmax computes it (simd::exp, one lane on x86), returning
+// their sum in order
+float exp_sum_of(float* w, int C, float top) {
+  float sum = 0.0f;
+  for (int c = 0; c < C; ++c) {
+    w[c] = simd::exp(simd::Simd<float, 1>(w[c] - top)).value;
+    sum += w[c];
+  }
+  return sum;
+}
+
+#if defined(__x86_64__)
+// simd::exp<float, 1> operation for operation (Cephes' polynomial by fma, 2^n from the exponent
+// bits, NaN, > 88 and < -88 as it selects them), compiled where the CPU has FMA (asked at run
+// time) so that its fma and floor are instructions instead of libm calls; both are exactly
+// rounded, so every float gives the same bits (checked over all 2^32 inputs)
+__attribute__((target("fma,sse4.1"))) inline float exp_fma(float in) {
+  float x = in * 1.442695f;
+  float ipart = static_cast<float>(std::floor(x + 0.5));  // the header adds a double 0.5
+  float fpart = x - ipart;
+  float y = 1.535336188319500e-4f;
+  y = std::fma(y, fpart, 1.339887440266574e-3f);
+  y = std::fma(y, fpart, 9.618437357674640e-3f);
+  y = std::fma(y, fpart, 5.550332471162809e-2f);
+  y = std::fma(y, fpart, 2.402264791363012e-1f);
+  y = std::fma(y, fpart, 6.931472028550421e-1f);
+  y = std::fma(y, fpart, 1.000000000000000f);
+  int32_t bits = (static_cast<int32_t>(ipart) + 127) << 23;
+  float two;
+  std::memcpy(&two, &bits, sizeof two);
+  float r = std::isnan(in) ? in : two * y;
+  r = in > 88.0f ? std::numeric_limits<float>::infinity() : r;
+  return in < -88.0f ? 0.0f : r;
+}
+
+__attribute__((target("fma,sse4.1"))) float exp_sum_fma(float* w, int C, float top) {
+  float sum = 0.0f;
+  for (int c = 0; c < C; ++c) {
+    w[c] = exp_fma(w[c] - top);
+    sum += w[c];
+  }
+  return sum;
+}
+#endif
+
+float exp_sum(float* w, int C, float top) {
+#if defined(__x86_64__)
+  static const bool fma = __builtin_cpu_supports("fma") && __builtin_cpu_supports("sse4.1");
+  if (fma) return exp_sum_fma(w, C, top);
+#endif
+  return exp_sum_of(w, C, top);
+}
+
 // the key proxy's weights of row (b, h) into w [C], as h2o_fn.scoring.proxy_weights computes them
 // with mx.softmax (up to h2o_fn.softmax.MLX_UP_TO elements): the keys as float32, their product with
 // q by the cblas_sgemm call mlx's matmul makes, then mlx's CPU softmax (simd::exp, one lane on x86)
@@ -144,12 +197,7 @@ void proxy_of(const array& keys, const std::vector<float>& q, const int32_t* pos
     if (pos[c] < 0 || pos[c] == newest) w[c] = -inf;
     top = std::max(top, w[c]);  // as simd::maximum: NaN in w does not propagate
   }
-  float sum = 0.0f;
-  for (int c = 0; c < C; ++c) {
-    w[c] = simd::exp(simd::Simd<float, 1>(w[c] - top)).value;
-    sum += w[c];
-  }
-  float inv = 1 / sum;
+  float inv = 1 / exp_sum(w.data(), C, top);
   for (int c = 0; c < C; ++c) {
     w[c] *= inv;
     if (std::isnan(w[c])) w[c] = 0.0f;  // mx.nan_to_num: no visible slot, or NaN keys
@@ -166,8 +214,10 @@ void proxy(const array& keys, const std::vector<float>& q, const int32_t* pos, i
 }
 
 int first_free(const array& pos, int b, int h) {  // mx.argmax(positions == -1): slot 0 when none is free
-  for (int c = 0; c < pos.shape(2); ++c)
-    if (pos.data<int32_t>()[at(pos, b, h, c)] == -1) return c;
+  const int32_t* p = pos.data<int32_t>() + at(pos, b, h, 0);
+  int64_t step = pos.strides(2);
+  for (int c = 0, C = pos.shape(2); c < C; ++c)
+    if (p[c * step] == -1) return c;
   return 0;
 }
 
@@ -202,7 +252,10 @@ void settle(Io& io, Knobs kn) {
     for (int h = 0; h < H; ++h) {
       int32_t* pr = po + (static_cast<int64_t>(b) * H + h) * C;
       float* sr = so + (static_cast<int64_t>(b) * H + h) * C;
-      for (int c = 0; c < C; ++c) pr[c] = p[at(io.pos, b, h, c)];
+      const int32_t* pin = p + at(io.pos, b, h, 0);
+      const float* sin = s + at(io.scores, b, h, 0);
+      int64_t ps = io.pos.strides(2), ss = io.scores.strides(2);
+      for (int c = 0; c < C; ++c) pr[c] = pin[c * ps];
       pr[first_free(io.pos, b, h)] = newest;
       for (int d = 0; d < Dk; ++d) q[d] = load(io.key, at(io.key, b, h, 0, d)) * kn.scale;
       proxy(io.keys, q, pr, newest, b, h, kf, w);
@@ -212,7 +265,7 @@ void settle(Io& io, Knobs kn) {
         return evictable ? (std::isnan(sr[c]) ? -inf : sr[c]) : inf;
       };
       for (int c = 0; c < C; ++c) {
-        float decayed = kn.decay * s[at(io.scores, b, h, c)];
+        float decayed = kn.decay * sin[c * ss];
         sr[c] = decayed + w[c];
         lowest = std::min(lowest, rank(c));
       }
