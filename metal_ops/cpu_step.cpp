@@ -364,15 +364,20 @@ std::vector<array> key_step(const array& keys, const array& values, const array&
            length.dtype() == int32 && seen.dtype() == int32,
        "expected float stores and rows, float32 scores, int32 positions, length and seen");
   Stream cpu_stream = default_stream(Device::cpu);
-  auto write = [&](const array& store, const array& row) {
-    return array(store.shape(), store.dtype(), std::make_shared<H2OWriteRow>(cpu_stream), {store, positions, row});
+  // the values' write waits for the settle (`after`, an input it does not read), so that whatever
+  // attends to the new rows evaluates the settle too: an unevaluated settle left for later would
+  // still hold the keys, and the next token's write could not take their buffer
+  auto write = [&](const array& store, const array& row, std::vector<array> after) {
+    std::vector<array> in{store, positions, row};
+    in.insert(in.end(), after.begin(), after.end());
+    return array(store.shape(), store.dtype(), std::make_shared<H2OWriteRow>(cpu_stream), std::move(in));
   };
-  array k2 = write(keys, key), v2 = write(values, value);
+  array k2 = write(keys, key, {});
   auto rest = array::make_arrays({scores.shape(), positions.shape(), length.shape(), seen.shape()},
                                  {float32, int32, int32, int32},
                                  std::make_shared<H2OKeySettle>(cpu_stream, Knobs{decay, scale, n_sink, grace, budget}),
                                  {k2, scores, positions, length, seen, key});
-  return {k2, v2, rest[0], rest[1], rest[2], rest[3]};
+  return {k2, write(values, value, {rest[2]}), rest[0], rest[1], rest[2], rest[3]};
 }
 
 }  // namespace
