@@ -1,4 +1,4 @@
-// A key-scored decode token as one mlx primitive on the CPU (h2o_fn.metal_ops.cpu_step builds it).
+// A key-scored decode token as three mlx primitives on the CPU (h2o_fn.metal_ops.cpu_step builds it).
 //
 // What h2o_fn.core.admit then h2o_fn.core.settle_key do for one token with every batch row
 // taking it (alive=None) and rows stored dense, per (b, h):
@@ -10,9 +10,10 @@
 //   3. settle: scores <- decay * scores + w (two roundings: built with -ffp-contract=off), then a
 //      row holding more than `budget` tokens frees its lowest (score, position) token that is
 //      neither a sink (p < n_sink) nor in the grace window (p > newest - grace); NaN as -inf.
-// The stores come back with the new rows written in place when mlx can donate them (nothing else
-// holds them), else copied once. The evicted token's rows stay where they are: the decode view
-// of this token (the first span slots) is the admitted state's.
+// Primitives: the keys' row write, the settle (2 and 3, reading the written keys), the values'
+// row write. Each write is in place when mlx can donate the store (nothing else holds it), else a
+// copy. The evicted token's rows stay where they are: this token's decode view (the first span
+// slots) is the admitted state's.
 // Shapes: keys [B, H, C, Dk], values [B, H, C, Dv], scores and positions [B, H, C], length and
 // seen [B], key [B, H, 1, Dk], value [B, H, 1, Dv].
 #include <cmath>

@@ -3,9 +3,11 @@
 On a CPU mlx dispatches each primitive for a few microseconds whatever it computes, and a
 key-scored decode token costs `h2o_fn.core`'s admit and settle_key 35 more of them per layer
 than the rotating cache's update (BENCHMARKS.md, "Decode at every budget"). `cpu_step.cpp`
-does the same work in three: each store's row write (in place when nothing else holds the
-store: one output, which mlx can donate its input to), then the key proxy's weights, the
-decay-add and the eviction. Its spec is the core: `key_step(state, key, value, config)` is
+does the same work in three: the keys' row write, then the key proxy's weights, the decay-add
+and the eviction, then the values' row write, which waits for them so that whatever attends
+to the new rows evaluates the settle too (a settle left for later would still hold the keys).
+Each write is in place when nothing else holds the store (one output: mlx donates no input to
+a primitive with sibling outputs). Its spec is the core: `key_step(state, key, value, config)` is
 `settle_key(admit(state, key, value), key, config)` (dense rows, every batch row taking the
 token), bit for bit: the weights come from the same `cblas_sgemm` call mlx's matmul makes and
 mlx's own softmax (`exact` states; tests/test_cpu_step.py).
@@ -138,5 +140,5 @@ if __name__ == "__main__":
     except subprocess.CalledProcessError as e:  # the core's key step stays
         print(f"cpu_step: could not build {NAME}: {(e.stderr or b'').decode()[-800:]}", file=sys.stderr)
         sys.exit(0)
-    print(f"cpu_step: {made} (a key-scored decode token as one CPU primitive)" if made else
+    print(f"cpu_step: {made} (a key-scored decode token as three CPU primitives)" if made else
           "cpu_step: no cmake, g++ or nanobind; the core's key step stays")
