@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m h2o_fn.adapters.kernel_header
 	# mlx's Linux wheel multiplies with netlib's reference BLAS: build OpenBLAS's stand-in for it
 	$(PY) -m h2o_fn.adapters.blas
-	# a key-scored decode token as one C++ mlx primitive on the CPU (~15 s; without it the core's path runs)
+	# a key-scored decode token as three C++ mlx primitives on the CPU (~15 s; without it the core's path runs)
 	$(PY) -m h2o_fn.metal_ops.cpu_step
 	touch $(STAMP)
 

@@ -411,6 +411,7 @@ def mx_ops_argmin(*args, **kwargs):
 
 mx_ops_argmin.victims = metal_ops.protected_argmin.victims
 
+
 PAST = 400  # with several decode budgets, tokens past a budget when no --contexts exceeds it
 
 
