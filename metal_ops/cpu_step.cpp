@@ -66,6 +66,10 @@ template <typename T>
 void copy_store(const array& in, array& out) {
   const T* src = in.data<T>();
   T* dst = out.data<T>();
+  if (in.flags().row_contiguous) {  // a store still held elsewhere (a shared prompt cache entry)
+    std::memcpy(dst, src, in.nbytes());
+    return;
+  }
   int B = in.shape(0), H = in.shape(1), C = in.shape(2), D = in.shape(3);
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < H; ++h)

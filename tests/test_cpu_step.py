@@ -53,6 +53,17 @@ def test_random_states(seed, C, n_sink, grace, decay, strided, wide):
     assert_same(*both(s, k, k * 2, cfg))
 
 
+def test_stores_that_are_views_are_copied_first():
+    cfg = H2OConfig(budget=8, n_sink=1, grace=1, scoring="key")
+    kv = mx.random.normal((1, 3, 12, 4), key=mx.random.key(0))
+    s = absorb(init(cfg, 1, 3, 4, dtype=mx.float32), kv, kv, cfg)
+    mx.eval(s)
+    rows = mx.array(s.keys.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # the same rows, strided
+    s = s._replace(keys=rows, values=s.values[:, ::-1][:, ::-1])
+    k = mx.random.normal((1, 3, 1, 4), key=mx.random.key(1))
+    assert_same(*both(s, k, k, cfg))
+
+
 def test_below_budget_and_a_key_only_cache():
     cfg = H2OConfig(budget=8, n_sink=1, grace=1, scoring="key")
     s = init(cfg, 1, 2, 4)
