@@ -245,7 +245,10 @@ def receive(s: CacheState, policy: Policy, weights: mx.array) -> CacheState:
         s = s._replace(core=p.state, staged=staging.with_weights(s.staged, weights, p.state, s.every))
         return _flush_when_full(s, policy)
     if p.keys is None:
-        return s._replace(core=policy.settle(p.state, view.decode_weights(weights, p.state), p.alive))
+        w = view.decode_weights(weights, p.state)
+        if p.alive is None and cpu_step.settles(policy):  # one C++ primitive instead of the core's ~20
+            return s._replace(core=cpu_step.settle(p.state, w, policy.config))
+        return s._replace(core=policy.settle(p.state, w, p.alive))
     if p.start is not None:  # the view was the written slots [0, start + N)
         state = policy.settle_chunk(p.state, p.keys, p.start, view.slot_weights(weights, p.state.positions.shape[-1]))
         mx.eval(state)

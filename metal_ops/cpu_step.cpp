@@ -234,6 +234,26 @@ void write_rows(const array& store, const array& pos, const array& row, array& o
     for (int h = 0; h < out.shape(1); ++h) store_row(out, row, b, h, first_free(pos, b, h));
 }
 
+// h2o_fn.rule.evict for one (b, h) row over budget: its lowest (score, position) token that is
+// neither a sink (p < n_sink) nor in the grace window (p > newest - grace) freed; NaN as -inf
+void evict_one(float* sr, int32_t* pr, int C, int32_t newest, Knobs kn) {
+  const float inf = std::numeric_limits<float>::infinity();
+  int victim = -1;
+  float low = inf;
+  for (int c = 0; c < C; ++c) {
+    if (pr[c] < kn.n_sink || pr[c] > newest - kn.grace) continue;
+    float v = std::isnan(sr[c]) ? -inf : sr[c];
+    if (victim < 0 || v < low || (v == low && pr[c] < pr[victim])) {
+      victim = c;
+      low = v;
+    }
+  }
+  if (victim >= 0) {
+    sr[victim] = 0.0f;
+    pr[victim] = -1;
+  }
+}
+
 struct Io {
   array keys, scores, pos, length, seen, key;  // inputs: keys already hold the new rows
   array s_out, p_out, l_out, n_out;  // outputs
@@ -247,7 +267,6 @@ void settle(Io& io, Knobs kn) {
   const int32_t* seen = io.seen.data<int32_t>();
   float* so = io.s_out.data<float>();
   int32_t* po = io.p_out.data<int32_t>();
-  const float inf = std::numeric_limits<float>::infinity();
   std::vector<float> q(Dk), w(C), kf(static_cast<size_t>(C) * Dk);
   for (int b = 0; b < B; ++b) {
     int32_t length = len[b * io.length.strides(0)] + 1, newest = seen[b * io.seen.strides(0)];
@@ -264,29 +283,11 @@ void settle(Io& io, Knobs kn) {
       pr[first_free(io.pos, b, h)] = newest;
       for (int d = 0; d < Dk; ++d) q[d] = load(io.key, at(io.key, b, h, 0, d)) * kn.scale;
       proxy(io.keys, q, pr, newest, b, h, kf, w);
-      float lowest = inf;
-      auto rank = [&](int c) {  // h2o_fn.rule._lowest_scores' key: inf for a protected slot
-        bool evictable = pr[c] >= kn.n_sink && pr[c] <= newest - kn.grace;
-        return evictable ? (std::isnan(sr[c]) ? -inf : sr[c]) : inf;
-      };
       for (int c = 0; c < C; ++c) {
         float decayed = kn.decay * sin[c * ss];
         sr[c] = decayed + w[c];
-        lowest = std::min(lowest, rank(c));
       }
-      if (!over) continue;
-      int victim = -1, first = std::numeric_limits<int>::max();
-      for (int c = 0; c < C; ++c) {
-        bool evictable = pr[c] >= kn.n_sink && pr[c] <= newest - kn.grace;
-        if (evictable && rank(c) == lowest && pr[c] < first) {
-          first = pr[c];
-          victim = c;
-        }
-      }
-      if (victim >= 0) {
-        sr[victim] = 0.0f;
-        pr[victim] = -1;
-      }
+      if (over) evict_one(sr, pr, C, newest, kn);
     }
   }
 }
@@ -349,6 +350,55 @@ class H2OKeySettle : public Primitive {
   Knobs knobs_;
 };
 
+// h2o_fn.core.settle with every batch row taking the token: an admitted state's scores decay-add
+// its weights (NaN, +-inf and negative ones as 0; only slots holding a token keep a score), then
+// one eviction in each row over budget. Inputs: scores, positions [B, H, C], length, seen [B],
+// weights [B, H, C] float32; outputs: scores', positions', length'.
+class H2OWeightSettle : public Primitive {
+ public:
+  H2OWeightSettle(Stream s, Knobs knobs) : Primitive(s), knobs_(knobs) {}
+
+  void eval_cpu(const std::vector<array>& in, std::vector<array>& out) override {
+    for (auto& o : out) o.set_data(allocator::malloc(o.nbytes()));
+    encode(stream(), in, out);
+    cpu::get_command_encoder(stream()).dispatch(
+        [sc = weak(in[0]), ps = weak(in[1]), ln = weak(in[2]), se = weak(in[3]), wt = weak(in[4]), so = weak(out[0]),
+         po = weak(out[1]), lo = weak(out[2]), kn = knobs_]() mutable {
+          const float inf = std::numeric_limits<float>::infinity();
+          int B = sc.shape(0), H = sc.shape(1), C = sc.shape(2);
+          for (int b = 0; b < B; ++b) {
+            int32_t length = ln.data<int32_t>()[b * ln.strides(0)], newest = se.data<int32_t>()[b * se.strides(0)] - 1;
+            bool over = length > kn.budget;
+            lo.data<int32_t>()[b] = over ? length - 1 : length;
+            for (int h = 0; h < H; ++h) {
+              float* sr = so.data<float>() + (static_cast<int64_t>(b) * H + h) * C;
+              int32_t* pr = po.data<int32_t>() + (static_cast<int64_t>(b) * H + h) * C;
+              const float* s = sc.data<float>() + at(sc, b, h, 0);
+              const int32_t* p = ps.data<int32_t>() + at(ps, b, h, 0);
+              const float* w = wt.data<float>() + at(wt, b, h, 0);
+              int64_t ss = sc.strides(2), pst = ps.strides(2), ws = wt.strides(2);
+              for (int c = 0; c < C; ++c) {
+                pr[c] = p[c * pst];
+                float x = w[c * ws], decayed = kn.decay * s[c * ss];
+                float clean = (x > 0.0f && x < inf) ? x : 0.0f;
+                sr[c] = pr[c] >= 0 ? decayed + clean : 0.0f;
+              }
+              if (over) evict_one(sr, pr, C, newest, kn);
+            }
+          }
+        });
+  }
+
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("H2OWeightSettle runs on the CPU only");
+  }
+
+  const char* name() const override { return "H2OWeightSettle"; }
+
+ private:
+  Knobs knobs_;
+};
+
 void need(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("key_step: " + what);
 }
@@ -385,10 +435,27 @@ std::vector<array> key_step(const array& keys, const array& values, const array&
   return {k2, write(values, value, {rest[2]}), rest[0], rest[1], rest[2], rest[3]};
 }
 
+std::vector<array> weight_settle(const array& scores, const array& positions, const array& length,
+                                 const array& seen, const array& weights, float decay, int n_sink, int grace,
+                                 int budget) {
+  need(scores.ndim() == 3 && positions.shape() == scores.shape() && weights.shape() == scores.shape(),
+       "expected scores, positions and weights [B, H, C]");
+  need(length.shape() == Shape{scores.shape(0)} && seen.shape() == Shape{scores.shape(0)},
+       "expected length and seen [B]");
+  need(scores.dtype() == float32 && weights.dtype() == float32 && positions.dtype() == int32 &&
+           length.dtype() == int32 && seen.dtype() == int32,
+       "expected float32 scores and weights, int32 positions, length and seen");
+  return array::make_arrays({scores.shape(), positions.shape(), length.shape()}, {float32, int32, int32},
+                            std::make_shared<H2OWeightSettle>(default_stream(Device::cpu),
+                                                              Knobs{decay, 1.0f, n_sink, grace, budget}),
+                            {scores, positions, length, seen, weights});
+}
+
 }  // namespace
 
 NB_MODULE(_h2o_cpu_step, m) {
   nb::module_::import_("mlx.core");
   m.def("key_step", &key_step,
         "(keys, values, scores, positions, length, seen)' after admitting one token and settling it by its key");
+  m.def("weight_settle", &weight_settle, "(scores, positions, length)' of an admitted state settled by its weights");
 }

@@ -121,6 +121,22 @@ def exact(state: H2OState) -> bool:
     return state.scores.size <= MLX_UP_TO
 
 
+def settles(policy: Policy) -> bool:
+    """Whether a decode token's weights settle through `settle`: built, on the CPU, and the
+    rule's own eviction (not a custom `argmin`); any scoring and row storage (rows are not read)."""
+    return policy.argmin in (rule.protected_argmin, evict.protected_argmin) and available()
+
+
+def settle(admitted: H2OState, weights: mx.array, config: H2OConfig) -> H2OState:
+    """`core.settle(admitted, weights, config)` with every batch row taking the token, as one
+    primitive, bit for bit: weights `[B, H, C]` over the admitted state's slots decay-added
+    (NaN, +-inf and negative ones as 0), then one eviction in each row over budget."""
+    scores, positions, length = module().weight_settle(
+        admitted.scores, admitted.positions, admitted.length, admitted.seen, weights.astype(mx.float32),
+        config.decay, config.n_sink, config.grace, config.budget)
+    return admitted._replace(scores=scores, positions=positions, length=length)
+
+
 def key_step(state: H2OState, key: mx.array, value: mx.array, config: H2OConfig) -> H2OState:
     """`core.settle_key(core.admit(state, key, value), key, config)` as one primitive: one token
     `[B, H, 1, D]` written into the first free slot of dense stores `[B, H, C, D]`, scored by its

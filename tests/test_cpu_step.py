@@ -154,3 +154,54 @@ def test_a_models_decode_through_it_is_the_cores(hooked, monkeypatch):
     assert mx.array_equal(a, b).item()
     for x, y in zip(sa, sb):
         assert mx.array_equal(x.positions, y.positions).item() and mx.array_equal(x.scores, y.scores).item()
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**30), C=st.sampled_from([9, 65, 258]), n_sink=st.integers(0, 3),
+       grace=st.integers(0, 4), decay=st.sampled_from([1.0, 0.9]), odd=st.booleans())
+def test_a_weights_settle_is_the_cores(seed, C, n_sink, grace, decay, odd):
+    """`cpu_step.settle` (query scoring's decode settle) against `core.settle`, bit for bit, odd
+    weights (NaN, inf, negative) included."""
+    from h2o_fn import settle
+
+    cfg = H2OConfig(budget=C - 1, n_sink=n_sink, grace=grace, decay=decay, scoring="query")
+    kv = mx.random.normal((2, 3, C + 5, 8), key=mx.random.key(seed))
+    k = mx.random.normal((2, 3, 1, 8), key=mx.random.key(seed + 1))
+    admitted = admit(absorb(init(cfg, 2, 3, 8), kv, kv, cfg, weights=mx.random.uniform(
+        shape=(2, 3, C + 5, 2 * C + 5), key=mx.random.key(seed + 2))), k, k)
+    w = mx.random.uniform(shape=(2, 3, C), key=mx.random.key(seed + 3))
+    if odd:
+        w = mx.where(w < 0.1, mx.nan, mx.where(w > 0.9, -w, mx.where((w > 0.5) & (w < 0.52), mx.inf, w)))
+    got, want = cpu_step.settle(admitted, w, cfg), settle(admitted, w, cfg)
+    for name in ("scores", "positions", "length", "seen"):
+        assert mx.array_equal(getattr(got, name), getattr(want, name)).item(), name
+
+
+def test_query_scorings_decode_through_it_is_the_cores(monkeypatch):
+    """A query-scored decode token's settle as the C++ primitive (`cpu_step.settles`) or as the
+    core's mlx ops: the same logits, kept positions and scores, bit for bit."""
+    from mlx_lm.generate import generate_step
+
+    from h2o_fn.adapters.attention import remove_query_hook
+    from h2o_fn.adapters.mlx_lm import h2o_caches, make_h2o_cache
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    cfg = H2OConfig(budget=12, n_sink=1, grace=2, scoring="query")
+    prompt = mx.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4])
+    runs, calls, settle, settles = [], [], cpu_step.settle, cpu_step.settles
+    monkeypatch.setattr(cpu_step, "settle", lambda *a: (calls.append(1), settle(*a))[1])
+    try:
+        for fused in (True, False):
+            monkeypatch.setattr(cpu_step, "settles", settles if fused else (lambda policy: False))
+            cache = make_h2o_cache(model, cfg)
+            steps = generate_step(prompt, model, prompt_cache=cache, max_tokens=30)
+            logits = mx.stack([mx.array(lp) for _, lp in steps])
+            runs.append((logits, [c.core_state for c in h2o_caches(cache)]))
+    finally:
+        remove_query_hook(model)
+    (a, sa), (b, sb) = runs
+    assert len(calls) >= 29 * len(sa)  # every decode token of every layer, in the first run only
+    assert mx.array_equal(a, b).item()
+    for x, y in zip(sa, sb):
+        assert mx.array_equal(x.positions, y.positions).item() and mx.array_equal(x.scores, y.scores).item()

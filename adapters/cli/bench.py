@@ -8,8 +8,8 @@
   flat as the context grows; the full cache's grows with it. With --explicit-baseline,
   also the rotating cache attending through the hook's explicit attention (what H2O's
   caches attend with on the CPU): how much of a ratio is the attention, not the cache.
-  With --mx-ops-baseline, also H2O key running each decode token as the core's mlx ops
-  beside the C++ key step the adapter takes on the CPU (`h2o_fn.metal_ops.cpu_step`).
+  With --mx-ops-baseline, also H2O key and query running each decode token as the core's
+  mlx ops beside the C++ ops the adapter takes on the CPU (`h2o_fn.metal_ops.cpu_step`).
 - prefill: a 4,096-token prompt at budget 512: full vs H2O greedy vs oneshot.
 - profile: where a compiled decode step's time goes, part by part (the core's public
   parts: admit, key_weights, protected_argmin, evict, step; and admit + settle_key from
@@ -375,7 +375,8 @@ def caches_at(model, policy, budget: int, kv_bits: Optional[int], group_size: in
 
     `policy(budget, **changes)` gives the H2O config; the rotating baseline keeps as many
     first tokens as its n_sink. `explicit`: add `ExplicitRotating` (needs `explicit_attention`).
-    `mx_ops`: add H2O key with each decode token as mlx ops (`mx_ops_argmin`) beside the C++ step."""
+    `mx_ops`: add H2O key and query with each decode token as mlx ops (`mx_ops_argmin`) beside the
+    C++ ops (`h2o_fn.metal_ops.cpu_step`)."""
     key, query = policy(budget, scoring="key"), policy(budget, scoring="query")
     rotating = Baseline("rotating", budget=budget, keep=key.n_sink)
     out = {
@@ -386,6 +387,7 @@ def caches_at(model, policy, budget: int, kv_bits: Optional[int], group_size: in
     }
     if mx_ops:
         out[f"H2O key ({budget}, mx ops)"] = lambda: h2o_cache(model, key, argmin=mx_ops_argmin)
+        out[f"H2O query ({budget}, mx ops)"] = lambda: h2o_cache(model, query, argmin=mx_ops_argmin)
     if explicit:
         out[f"{rotating.name}, explicit attention"] = lambda: [
             ExplicitRotating(max_size=budget, keep=key.n_sink) for _ in model.layers]
@@ -405,7 +407,7 @@ def caches_at(model, policy, budget: int, kv_bits: Optional[int], group_size: in
 def mx_ops_argmin(*args, **kwargs):
     """The adapter's eviction op (`h2o_fn.metal_ops.protected_argmin`, its victim mask included)
     under another name: `cpu_step.fused` takes only the rule's own ops, so a cache evicting with
-    this one runs each key-scored decode token as the core's mlx ops (`--mx-ops-baseline`)."""
+    this one runs each decode token as the core's mlx ops (`--mx-ops-baseline`)."""
     return metal_ops.protected_argmin(*args, **kwargs)
 
 
@@ -604,8 +606,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="decode: add the rotating cache attending through the hook's explicit attention "
                              "(what H2O's caches attend with on the CPU)")
     parser.add_argument("--mx-ops-baseline", action="store_true",
-                        help="decode: add H2O key with its decode tokens as mlx ops (the core's path) beside the "
-                             "C++ key step (metal_ops/cpu_step.py) the adapter takes on the CPU")
+                        help="decode: add H2O key and query with their decode tokens as mlx ops (the core's path) "
+                             "beside the C++ ops (metal_ops/cpu_step.py) the adapter takes on the CPU")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size before decode")
     parser.add_argument("--prefill-tokens", type=int, default=4096, help="prompt length of prefill")
     parser.add_argument("--prefill-chunk", type=int, default=2048, help="mlx-lm's default prefill_step_size")
