@@ -1,5 +1,5 @@
 """The kernel ops: the fused protected argmin (Metal and CUDA kernels with a pure MLX fallback,
-`evict`) and, on the CPU, a key-scored decode token as C++ mlx primitives (`cpu_step`)."""
+`evict`) and, on the CPU, a decode token's step and settle as C++ mlx primitives (`cpu_step`)."""
 
 from .evict import (
     BODY,

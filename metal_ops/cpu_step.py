@@ -10,7 +10,8 @@ Each write is in place when nothing else holds the store (one output: mlx donate
 a primitive with sibling outputs). Its spec is the core: `key_step(state, key, value, config)` is
 `settle_key(admit(state, key, value), key, config)` (dense rows, every batch row taking the
 token), bit for bit: the weights come from the same `cblas_sgemm` call mlx's matmul makes and
-mlx's own softmax (`exact` states; tests/test_cpu_step.py).
+mlx's own softmax (`exact` states; tests/test_cpu_step.py). `settle` does query scoring's
+decode settle (`core.settle`: the hook's weights decay-added, one eviction) as one primitive.
 
 `make setup` runs `python -m h2o_fn.metal_ops.cpu_step`, which builds it with cmake, g++ and
 nanobind (the version and domain mlx's own module was built with) into this environment's
