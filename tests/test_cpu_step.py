@@ -121,35 +121,45 @@ def test_a_module_built_for_another_mlx_is_refused(tmp_path, monkeypatch):
         cpu_step.module.cache_clear()
 
 
-@pytest.mark.parametrize("hooked", [True, False])
-def test_a_models_decode_through_it_is_the_cores(hooked, monkeypatch):
-    """mlx-lm's decode loop with the adapter: the C++ step (`cpu_step.fused`) and the core's path
-    give the same logits, kept positions and scores, bit for bit."""
+PROMPT = mx.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4])
+
+
+def decode(model, cfg: H2OConfig, hooked: bool):
+    """A tiny model's mlx-lm decode of 30 tokens through the adapter: (logits `[T, V]`, each
+    layer's core state)."""
     from mlx_lm.generate import generate_step
 
     from h2o_fn.adapters.attention import remove_query_hook
     from h2o_fn.adapters.mlx_lm import h2o_caches, make_h2o_cache
+
+    cache = make_h2o_cache(model, cfg)
+    if not hooked:
+        remove_query_hook(model)
+    logits = mx.stack([mx.array(lp) for _, lp in generate_step(PROMPT, model, prompt_cache=cache, max_tokens=30)])
+    for c in h2o_caches(cache):
+        c.flush()
+    return logits, [c.core_state for c in h2o_caches(cache)]
+
+
+@pytest.mark.parametrize("scoring, hooked", [("key", True), ("key", False), ("query", True)])
+def test_a_models_decode_through_it_is_the_cores(scoring, hooked, monkeypatch):
+    """mlx-lm's decode loop with the adapter: the C++ ops (the key step, query's settle) and the
+    core's mlx ops give the same logits, kept positions and scores, bit for bit."""
+    from h2o_fn.adapters.attention import remove_query_hook
     from tiny_models import tiny_model
 
     model = tiny_model("llama")
-    cfg = H2OConfig(budget=12, n_sink=1, grace=2, scoring="key")
-    prompt = mx.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4])
-    runs, calls, key_step = [], [], cpu_step.key_step
-    monkeypatch.setattr(cpu_step, "key_step", lambda *a: (calls.append(1), key_step(*a))[1])
+    cfg = H2OConfig(budget=12, n_sink=1, grace=2, scoring=scoring)
+    name = "key_step" if scoring == "key" else "settle"
+    calls, op = [], getattr(cpu_step, name)
+    monkeypatch.setattr(cpu_step, name, lambda *a: (calls.append(1), op(*a))[1])
     try:
-        for up_to in (cpu_step.UP_TO, 0):
-            monkeypatch.setattr(cpu_step, "UP_TO", up_to)
-            cache = make_h2o_cache(model, cfg)
-            if not hooked:
-                remove_query_hook(model)
-            steps = generate_step(prompt, model, prompt_cache=cache, max_tokens=30)
-            logits = mx.stack([mx.array(lp) for _, lp in steps])
-            for c in h2o_caches(cache):
-                c.flush()
-            runs.append((logits, [c.core_state for c in h2o_caches(cache)]))
+        (a, sa) = decode(model, cfg, hooked)
+        monkeypatch.setattr(cpu_step, "UP_TO", 0)  # the core's path from here
+        monkeypatch.setattr(cpu_step, "settles", lambda policy: False)
+        (b, sb) = decode(model, cfg, hooked)
     finally:
         remove_query_hook(model)
-    (a, sa), (b, sb) = runs
     assert len(calls) >= 29 * len(sa)  # every decode token of every layer, in the first run only
     assert mx.array_equal(a, b).item()
     for x, y in zip(sa, sb):
@@ -175,33 +185,3 @@ def test_a_weights_settle_is_the_cores(seed, C, n_sink, grace, decay, odd):
     got, want = cpu_step.settle(admitted, w, cfg), settle(admitted, w, cfg)
     for name in ("scores", "positions", "length", "seen"):
         assert mx.array_equal(getattr(got, name), getattr(want, name)).item(), name
-
-
-def test_query_scorings_decode_through_it_is_the_cores(monkeypatch):
-    """A query-scored decode token's settle as the C++ primitive (`cpu_step.settles`) or as the
-    core's mlx ops: the same logits, kept positions and scores, bit for bit."""
-    from mlx_lm.generate import generate_step
-
-    from h2o_fn.adapters.attention import remove_query_hook
-    from h2o_fn.adapters.mlx_lm import h2o_caches, make_h2o_cache
-    from tiny_models import tiny_model
-
-    model = tiny_model("llama")
-    cfg = H2OConfig(budget=12, n_sink=1, grace=2, scoring="query")
-    prompt = mx.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4])
-    runs, calls, settle, settles = [], [], cpu_step.settle, cpu_step.settles
-    monkeypatch.setattr(cpu_step, "settle", lambda *a: (calls.append(1), settle(*a))[1])
-    try:
-        for fused in (True, False):
-            monkeypatch.setattr(cpu_step, "settles", settles if fused else (lambda policy: False))
-            cache = make_h2o_cache(model, cfg)
-            steps = generate_step(prompt, model, prompt_cache=cache, max_tokens=30)
-            logits = mx.stack([mx.array(lp) for _, lp in steps])
-            runs.append((logits, [c.core_state for c in h2o_caches(cache)]))
-    finally:
-        remove_query_hook(model)
-    (a, sa), (b, sb) = runs
-    assert len(calls) >= 29 * len(sa)  # every decode token of every layer, in the first run only
-    assert mx.array_equal(a, b).item()
-    for x, y in zip(sa, sb):
-        assert mx.array_equal(x.positions, y.positions).item() and mx.array_equal(x.scores, y.scores).item()
