@@ -60,6 +60,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from h2o_fn import storage
+from h2o_fn.metal_ops import cpu_step
 from h2o_fn.softmax import softmax
 
 NAME = "scaled_dot_product_attention"
@@ -236,13 +237,18 @@ def _hooked(original, reduce: str, queries, keys, values, cache, scale, mask, si
             return out
         N = queries.shape[2]
         M = cache.scored_queries(N) if hasattr(cache, "scored_queries") else N
+        how = getattr(cache, "weights_reduce", reduce)  # "none": every query head's weights
+        if M == N and mask is None and sinks is None and bits is None and how == "mean" and \
+                cpu_step.attends(queries, k, v):  # a decode token: the lines below as one C++ primitive
+            out, weights = cpu_step.attention(queries, k, v, scale)
+            cache.receive_weights(weights)
+            return out
         if M < N:  # mlx-lm's attention for the output, explicit weights of the M that score
             out = mlx_lm_attention()
             weights = attention_with_weights(queries[:, :, N - M :], k, v, scale, _last_rows(mask, M), sinks,
                                              bits, group)[1]
         else:
             out, weights = attention_with_weights(queries, k, v, scale, mask, sinks, bits, group)
-        how = getattr(cache, "weights_reduce", reduce)  # "none": every query head's weights
         cache.receive_weights(weights if how == "none" else per_kv_head(weights, cache.kv_heads, how))
         return out
     return original(queries, keys, values, cache=cache, scale=scale,

@@ -16,11 +16,13 @@
 // slots) is the admitted state's.
 // Shapes: keys [B, H, C, Dk], values [B, H, C, Dv], scores and positions [B, H, C], length and
 // seen [B], key [B, H, 1, Dk], value [B, H, 1, Dv].
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -399,8 +401,178 @@ class H2OWeightSettle : public Primitive {
   Knobs knobs_;
 };
 
+// h2o_fn.softmax's exp of x <= 0 (or -inf, NaN), operation for operation as g++ compiles mlx's
+// fused CPU kernels (baseline x86-64, no FMA; this file is built with -ffp-contract=off): Cephes'
+// polynomial on x - n ln 2, n = x / ln 2 rounded by adding and taking 1.5 * 2^23, times 2^n from
+// the exponent bits; 0 below -87.3, NaN kept. The constants are Python's floats rounded to float32.
+inline float exp_nonpositive(float x) {
+  if (!(x >= static_cast<float>(-87.3))) return x == x ? 0.0f : x;
+  const float round = 12582912.0f;
+  float n = (x * static_cast<float>(1.44269504088896341) + round) - round;
+  float r = (x - n * 0.693359375f) + n * static_cast<float>(2.12194440e-4);
+  float p = static_cast<float>(1.9875691500e-4) * r + static_cast<float>(1.3981999507e-3);
+  p = p * r + static_cast<float>(8.3334519073e-3);
+  p = p * r + static_cast<float>(4.1665795894e-2);
+  p = p * r + static_cast<float>(1.6666665459e-1);
+  p = p * r + static_cast<float>(5.0000001201e-1);
+  float e_r = (p * r * r + r) + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two;
+  std::memcpy(&two, &bits, sizeof two);
+  return e_r * two;
+}
+
+// the (b, h) matrix [n, D] of `a` [B, H, n, D] as float32, the layout mlx's matmul multiplies
+// (its `astype(float32)` copy, or the float32 rows where they lie): a pointer to its rows, their
+// stride in `ld`; widened or gathered into `tmp` when needed
+template <typename T>
+const float* rows_f32(const array& a, int b, int h, std::vector<float>& tmp, int& ld) {
+  int n = a.shape(2), D = a.shape(3);
+  const T* base = a.data<T>() + at(a, b, h, 0);
+  int64_t rs = a.strides(2), cs = a.strides(3);
+  if constexpr (std::is_same_v<T, float>) {
+    if (cs == 1 && (n == 1 || rs >= D)) {
+      ld = n == 1 ? std::max(D, 1) : static_cast<int>(rs);
+      return base;
+    }
+  }
+  ld = std::max(D, 1);
+  tmp.resize(static_cast<size_t>(n) * D);
+  if constexpr (!std::is_same_v<T, float>) {
+    if (cs == 1 && rs == D) {
+      widen(base, tmp.data(), static_cast<int64_t>(n) * D);
+      return tmp.data();
+    }
+  }
+  for (int i = 0; i < n; ++i)
+    for (int d = 0; d < D; ++d) tmp[static_cast<size_t>(i) * D + d] = static_cast<float>(base[i * rs + d * cs]);
+  return tmp.data();
+}
+
+const float* rows_of(const array& a, int b, int h, std::vector<float>& tmp, int& ld) {
+  switch (a.dtype()) {
+    case float16: return rows_f32<float16_t>(a, b, h, tmp, ld);
+    case bfloat16: return rows_f32<bfloat16_t>(a, b, h, tmp, ld);
+    default: return rows_f32<float>(a, b, h, tmp, ld);
+  }
+}
+
+void store_out(array& out, int64_t i, float x) {
+  switch (out.dtype()) {
+    case float16: out.data<float16_t>()[i] = static_cast<float16_t>(x); return;
+    case bfloat16: out.data<bfloat16_t>()[i] = static_cast<bfloat16_t>(x); return;
+    default: out.data<float>()[i] = x;
+  }
+}
+
+// One query per query head attending to every row, no mask, as h2o_fn.adapters.attention's
+// attention_with_weights then per_kv_head(mean) compute it, per (b, h) with its R = Hq / H query
+// heads as rows: logits = (q * scale) . K^T (the cblas_sgemm call mlx's matmul makes), h2o_fn's
+// softmax of each row (the max subtracted, exp_nonpositive, the sum in order, divided), out =
+// W . V (cblas_sgemm) cast to the queries' dtype, and the weights' mean over the R rows (their
+// sum in order times float32(1 / R)).
+// Inputs: queries [B, Hq, 1, D], keys [B, H, L, D], values [B, H, L, Dv]; outputs: out [B, Hq, 1, Dv],
+// weights [B, H, 1, L] float32.
+void attend(const array& q, const array& keys, const array& values, float scale, array& out, array& wm) {
+  int B = keys.shape(0), H = keys.shape(1), L = keys.shape(2), D = keys.shape(3), Dv = values.shape(3);
+  int R = q.shape(1) / H;
+  std::vector<float> qr(static_cast<size_t>(R) * D), w(static_cast<size_t>(R) * L), o(static_cast<size_t>(R) * Dv);
+  std::vector<float> kt, vt;
+  float inv_r = static_cast<float>(1.0 / R);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h) {
+      for (int r = 0; r < R; ++r)
+        for (int d = 0; d < D; ++d) qr[static_cast<size_t>(r) * D + d] = load(q, at(q, b, h * R + r, 0, d)) * scale;
+      int ldk = 0, ldv = 0;
+      const float* k = rows_of(keys, b, h, kt, ldk);
+      const float* v = rows_of(values, b, h, vt, ldv);
+      if (L > 0 && D > 0) cblas_sgemm(101, 111, 112, R, L, D, 1.0f, qr.data(), D, k, ldk, 0.0f, w.data(), L);
+      else std::fill(w.begin(), w.end(), 0.0f);
+      float* m = wm.data<float>() + (static_cast<int64_t>(b) * H + h) * L;
+      for (int r = 0; r < R; ++r) {
+        float* x = w.data() + static_cast<size_t>(r) * L;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int c = 0; c < L; ++c) top = std::max(top, x[c]);  // a NaN row ends all NaN either way
+        float sum = 0.0f;
+        for (int c = 0; c < L; ++c) {
+          x[c] = exp_nonpositive(x[c] - top);
+          sum += x[c];
+        }
+        for (int c = 0; c < L; ++c) x[c] /= sum;
+      }
+      for (int c = 0; c < L; ++c) {
+        float sum = 0.0f;
+        for (int r = 0; r < R; ++r) sum += w[static_cast<size_t>(r) * L + c];
+        m[c] = sum * inv_r;
+      }
+      if (Dv > 0 && L > 0) cblas_sgemm(101, 111, 111, R, Dv, L, 1.0f, w.data(), L, v, ldv, 0.0f, o.data(), Dv);
+      else std::fill(o.begin(), o.end(), 0.0f);
+      for (int r = 0; r < R; ++r)
+        for (int d = 0; d < Dv; ++d)
+          store_out(out, ((static_cast<int64_t>(b) * H * R + h * R + r)) * Dv + d, o[static_cast<size_t>(r) * Dv + d]);
+    }
+}
+
+class H2OAttend : public Primitive {
+ public:
+  H2OAttend(Stream s, float scale) : Primitive(s), scale_(scale) {}
+
+  void eval_cpu(const std::vector<array>& in, std::vector<array>& out) override {
+    for (auto& o : out) o.set_data(allocator::malloc(o.nbytes()));
+    encode(stream(), in, out);
+    cpu::get_command_encoder(stream()).dispatch(
+        [q = weak(in[0]), k = weak(in[1]), v = weak(in[2]), o = weak(out[0]), w = weak(out[1]), sc = scale_]() mutable {
+          attend(q, k, v, sc, o, w);
+        });
+  }
+
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("H2OAttend runs on the CPU only");
+  }
+
+  const char* name() const override { return "H2OAttend"; }
+
+ private:
+  float scale_;
+};
+
+// h2o_fn.core.admit's positions and counts for one token that every batch row takes: the first
+// free slot of each (b, h) (slot 0 when none is) at position seen[b]; length and seen grow by one.
+// Inputs: positions [B, H, C], length, seen [B]; outputs: positions', length', seen'.
+class H2OAdmitCounts : public Primitive {
+ public:
+  explicit H2OAdmitCounts(Stream s) : Primitive(s) {}
+
+  void eval_cpu(const std::vector<array>& in, std::vector<array>& out) override {
+    for (auto& o : out) o.set_data(allocator::malloc(o.nbytes()));
+    encode(stream(), in, out);
+    cpu::get_command_encoder(stream()).dispatch(
+        [ps = weak(in[0]), ln = weak(in[1]), se = weak(in[2]), po = weak(out[0]), lo = weak(out[1]),
+         so = weak(out[2])]() mutable {
+          int B = ps.shape(0), H = ps.shape(1), C = ps.shape(2);
+          for (int b = 0; b < B; ++b) {
+            int32_t newest = se.data<int32_t>()[b * se.strides(0)];
+            lo.data<int32_t>()[b] = ln.data<int32_t>()[b * ln.strides(0)] + 1;
+            so.data<int32_t>()[b] = newest + 1;
+            for (int h = 0; h < H; ++h) {
+              int32_t* pr = po.data<int32_t>() + (static_cast<int64_t>(b) * H + h) * C;
+              const int32_t* p = ps.data<int32_t>() + at(ps, b, h, 0);
+              for (int c = 0; c < C; ++c) pr[c] = p[c * ps.strides(2)];
+              pr[first_free(ps, b, h)] = newest;
+            }
+          }
+        });
+  }
+
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("H2OAdmitCounts runs on the CPU only");
+  }
+
+  const char* name() const override { return "H2OAdmitCounts"; }
+};
+
 void need(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument("key_step: " + what);
+  if (!ok) throw std::invalid_argument("cpu_step: " + what);
 }
 
 std::vector<array> key_step(const array& keys, const array& values, const array& scores, const array& positions,
@@ -451,11 +623,49 @@ std::vector<array> weight_settle(const array& scores, const array& positions, co
                             {scores, positions, length, seen, weights});
 }
 
+std::vector<array> attention(const array& queries, const array& keys, const array& values, float scale) {
+  auto fl = [](const array& a) { return a.dtype() == float16 || a.dtype() == bfloat16 || a.dtype() == float32; };
+  need(queries.ndim() == 4 && keys.ndim() == 4 && values.ndim() == 4, "expected queries [B, Hq, 1, D], keys [B, H, L, D], values [B, H, L, Dv]");
+  int B = keys.shape(0), H = keys.shape(1), L = keys.shape(2);
+  need(queries.shape(0) == B && queries.shape(2) == 1 && queries.shape(3) == keys.shape(3) && H > 0 &&
+           queries.shape(1) % H == 0 && values.shape(0) == B && values.shape(1) == H && values.shape(2) == L,
+       "expected queries [B, Hq, 1, D] with Hq a multiple of the keys' H, keys [B, H, L, D], values [B, H, L, Dv]");
+  need(fl(queries) && fl(keys) && fl(values), "expected float queries, keys and values");
+  return array::make_arrays({{B, queries.shape(1), 1, values.shape(3)}, {B, H, 1, L}}, {queries.dtype(), float32},
+                            std::make_shared<H2OAttend>(default_stream(Device::cpu), scale), {queries, keys, values});
+}
+
+std::vector<array> admit_rows(const array& keys, const array& values, const array& positions, const array& length,
+                              const array& seen, const array& key, const array& value) {
+  auto fl = [](const array& a) { return a.dtype() == float16 || a.dtype() == bfloat16 || a.dtype() == float32; };
+  need(keys.ndim() == 4 && values.ndim() == 4 && positions.ndim() == 3, "expected keys, values [B, H, C, D], positions [B, H, C]");
+  int B = positions.shape(0), H = positions.shape(1), C = positions.shape(2);
+  need(keys.shape(0) == B && keys.shape(1) == H && keys.shape(2) == C && values.shape(0) == B &&
+           values.shape(1) == H && values.shape(2) == C,
+       "keys, values and positions disagree on [B, H, C]");
+  need(key.shape() == Shape{B, H, 1, keys.shape(3)} && value.shape() == Shape{B, H, 1, values.shape(3)},
+       "expected key [B, H, 1, Dk] and value [B, H, 1, Dv]");
+  need(length.shape() == Shape{B} && seen.shape() == Shape{B}, "expected length and seen [B]");
+  need(fl(keys) && fl(values) && fl(key) && fl(value) && positions.dtype() == int32 && length.dtype() == int32 &&
+           seen.dtype() == int32,
+       "expected float stores and rows, int32 positions, length and seen");
+  Stream cpu_stream = default_stream(Device::cpu);
+  auto write = [&](const array& store, const array& row) {
+    return array(store.shape(), store.dtype(), std::make_shared<H2OWriteRow>(cpu_stream), {store, positions, row});
+  };
+  auto counts = array::make_arrays({positions.shape(), length.shape(), seen.shape()}, {int32, int32, int32},
+                                   std::make_shared<H2OAdmitCounts>(cpu_stream), {positions, length, seen});
+  return {write(keys, key), write(values, value), counts[0], counts[1], counts[2]};
+}
+
 }  // namespace
 
 NB_MODULE(_h2o_cpu_step, m) {
   nb::module_::import_("mlx.core");
   m.def("key_step", &key_step,
         "(keys, values, scores, positions, length, seen)' after admitting one token and settling it by its key");
+  m.def("attention", &attention,
+        "(out [B, Hq, 1, Dv], weights [B, H, 1, L]) of one query per head, as attention_with_weights then per_kv_head");
+  m.def("admit_rows", &admit_rows, "(keys, values, positions, length, seen)' after admitting one token");
   m.def("weight_settle", &weight_settle, "(scores, positions, length)' of an admitted state settled by its weights");
 }

@@ -138,6 +138,40 @@ def settle(admitted: H2OState, weights: mx.array, config: H2OConfig) -> H2OState
     return admitted._replace(scores=scores, positions=positions, length=length)
 
 
+def admits(policy: Policy) -> bool:
+    """Whether a decode token that every row takes is admitted through `admit`: built, on the
+    CPU, dense rows."""
+    return policy.kv.bits is None and available()
+
+
+def admit(state: H2OState, key: mx.array, value: mx.array) -> H2OState:
+    """`core.admit(state, key, value)` (dense rows, every batch row taking the token) as three
+    primitives, bit for bit: the key and value rows `[B, H, 1, D]` written into each (b, h)'s
+    first free slot (in place when nothing else holds the store), its position, the counts."""
+    if storage.is_quantized(state.keys):
+        raise ValueError("admit takes dense rows: got quantized rows")
+    keys, values, positions, length, seen = module().admit_rows(
+        state.keys, state.values, state.positions, state.length, state.seen, key, value)
+    return state._replace(keys=keys, values=values, positions=positions, length=length, seen=seen)
+
+
+def attends(queries: mx.array, keys, values) -> bool:
+    """Whether `attention` takes this attention: built, on the CPU, one query per head, dense
+    keys and values of at most `UP_TO` rows."""
+    return (queries.shape[2] == 1 and isinstance(keys, mx.array) and isinstance(values, mx.array)
+            and keys.shape[2] <= UP_TO and available())
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float):
+    """One query per head, no mask: `attention_with_weights(queries, keys, values, scale)`'s
+    output `[B, Hq, 1, Dv]` (the queries' dtype) and its weights averaged over the query heads
+    sharing each KV head, `per_kv_head(weights, H)` `[B, H, 1, L]` float32, as one primitive, bit
+    for bit (h2o_fn.adapters.attention: the same products, h2o_fn.softmax's exp). Queries `[B,
+    Hq, 1, D]`, keys `[B, H, L, D]`, values `[B, H, L, Dv]`, Hq a multiple of H."""
+    out, weights = module().attention(queries, keys, values, scale)
+    return out, weights
+
+
 def key_step(state: H2OState, key: mx.array, value: mx.array, config: H2OConfig) -> H2OState:
     """`core.settle_key(core.admit(state, key, value), key, config)` as one primitive: one token
     `[B, H, 1, D]` written into the first free slot of dense stores `[B, H, C, D]`, scored by its

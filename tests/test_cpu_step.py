@@ -108,6 +108,10 @@ def test_bad_inputs_name_what_was_expected():
         cpu_step.module().key_step(*s, mx.zeros((1, 2, 2, 8)), mx.zeros((1, 2, 1, 8)), 1.0, 1.0, 0, 0, 4)
     with pytest.raises(ValueError, match="scoring='key'"):
         cpu_step.key_step(s, mx.zeros((1, 2, 1, 8)), mx.zeros((1, 2, 1, 8)), cfg._replace(scoring="query"))
+    with pytest.raises(ValueError, match="Hq a multiple"):
+        cpu_step.attention(mx.zeros((1, 3, 1, 8)), s.keys, s.values, 1.0)
+    with pytest.raises(ValueError, match="expected key"):
+        cpu_step.admit(s, mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 8)))
 
 
 def test_a_module_built_for_another_mlx_is_refused(tmp_path, monkeypatch):
@@ -143,24 +147,26 @@ def decode(model, cfg: H2OConfig, hooked: bool):
 
 @pytest.mark.parametrize("scoring, hooked", [("key", True), ("key", False), ("query", True)])
 def test_a_models_decode_through_it_is_the_cores(scoring, hooked, monkeypatch):
-    """mlx-lm's decode loop with the adapter: the C++ ops (the key step, query's settle) and the
-    core's mlx ops give the same logits, kept positions and scores, bit for bit."""
+    """mlx-lm's decode loop with the adapter: the C++ ops (the key step; query's admit, attention
+    and settle) and the core's mlx ops give the same logits, kept positions and scores, bit for bit."""
     from h2o_fn.adapters.attention import remove_query_hook
     from tiny_models import tiny_model
 
     model = tiny_model("llama")
     cfg = H2OConfig(budget=12, n_sink=1, grace=2, scoring=scoring)
-    name = "key_step" if scoring == "key" else "settle"
-    calls, op = [], getattr(cpu_step, name)
-    monkeypatch.setattr(cpu_step, name, lambda *a: (calls.append(1), op(*a))[1])
+    calls = {}
+    for name in ["key_step"] if scoring == "key" else ["admit", "attention", "settle"]:
+        op = getattr(cpu_step, name)
+        monkeypatch.setattr(cpu_step, name, lambda *a, op=op, name=name: (calls.setdefault(name, []).append(1), op(*a))[1])
     try:
         (a, sa) = decode(model, cfg, hooked)
-        monkeypatch.setattr(cpu_step, "UP_TO", 0)  # the core's path from here
-        monkeypatch.setattr(cpu_step, "settles", lambda policy: False)
+        n = {name: len(c) for name, c in calls.items()}
+        monkeypatch.setattr(cpu_step, "available", lambda: False)  # the core's path from here
         (b, sb) = decode(model, cfg, hooked)
     finally:
         remove_query_hook(model)
-    assert len(calls) >= 29 * len(sa)  # every decode token of every layer, in the first run only
+    assert min(n.values()) >= 29 * len(sa) and len(n) == (1 if scoring == "key" else 3)  # every decode token, every layer
+    assert {name: len(c) for name, c in calls.items()} == n  # and none in the second run
     assert mx.array_equal(a, b).item()
     for x, y in zip(sa, sb):
         assert mx.array_equal(x.positions, y.positions).item() and mx.array_equal(x.scores, y.scores).item()
@@ -185,3 +191,49 @@ def test_a_weights_settle_is_the_cores(seed, C, n_sink, grace, decay, odd):
     got, want = cpu_step.settle(admitted, w, cfg), settle(admitted, w, cfg)
     for name in ("scores", "positions", "length", "seen"):
         assert mx.array_equal(getattr(got, name), getattr(want, name)).item(), name
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**30), dtype=st.sampled_from([mx.float16, mx.bfloat16, mx.float32]),
+       shape=st.sampled_from([(1, 9, 3, 257, 64), (2, 4, 2, 33, 16), (1, 2, 2, 1, 8), (2, 6, 1, 130, 32)]),
+       sliced=st.booleans(), big=st.booleans())
+def test_one_querys_attention_is_the_hooks(seed, dtype, shape, sliced, big):
+    """`cpu_step.attention` against `attention_with_weights` then `per_kv_head`, bit for bit
+    (output and weights), keys and values as a store's first L rows or on their own, logits
+    large enough that most weights underflow (`big`)."""
+    from h2o_fn.adapters.attention import attention_with_weights, per_kv_head
+
+    B, Hq, H, L, D = shape
+    q = (mx.random.normal((B, Hq, 1, D), key=mx.random.key(seed)) * (30 if big else 1)).astype(dtype)
+    kv = mx.random.normal((2, B, H, L + 3 * sliced, D), key=mx.random.key(seed + 1)).astype(dtype)
+    k, v = kv[0, :, :, :L], kv[1, :, :, :L]
+    out, w = cpu_step.attention(q, k, v, D ** -0.5)
+    want, ww = attention_with_weights(q, k, v, D ** -0.5)
+    assert out.dtype == want.dtype and mx.array_equal(out, want).item()
+    assert mx.array_equal(w, per_kv_head(ww, H)).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_an_admit_is_the_cores(dtype):
+    """`cpu_step.admit` against `core.admit` over a query-scored decode (each token settled by
+    random weights), every field bit for bit, the rows written in place when nothing holds them."""
+    from h2o_fn import settle
+
+    cfg = H2OConfig(budget=16, n_sink=2, grace=3, scoring="query")
+    s = mine = init(cfg, 2, 3, 8, dtype=dtype)
+    for t in range(40):
+        k, v = (mx.random.normal((2, 3, 1, 8), key=mx.random.key(2 * t + i)) for i in (0, 1))  # float32 rows
+        a, b = cpu_step.admit(mine, k, v), admit(s, k, v)
+        assert_same(a, b)
+        w = mx.random.uniform(shape=(2, 3, 17), key=mx.random.key(100 + t))
+        mine, s = settle(a, w, cfg), settle(b, w, cfg)
+    big = H2OConfig(budget=256, scoring="query")
+    k = mx.ones((1, 3, 1, 64), dtype=dtype)
+    s = settle(cpu_step.admit(init(big, 1, 3, 64, dtype=dtype), k, k), mx.zeros((1, 3, 257)), big)
+    mx.eval(s)
+    held = mx.get_active_memory()
+    mx.reset_peak_memory()
+    for _ in range(3):
+        s = cpu_step.settle(cpu_step.admit(s, k, k), mx.zeros((1, 3, 257)), big)  # the old state: held by the graph only
+        mx.eval(s)
+    assert mx.get_peak_memory() - held < s.keys.nbytes // 2  # no second store
