@@ -10,7 +10,9 @@ they do, never by their class:
   weights, averaged over the query heads that share each KV head (GQA), handed to
   `cache.receive_weights(weights)`. A cache's own `weights_reduce` attribute, where it
   has one, overrides the hook's reduction ("mean", "max"; "none": every query head's
-  weights `[B, Hq, N, L]`, reduced by the cache itself). A cache with
+  weights `[B, Hq, N, L]`, reduced by the cache itself). One decode query per head without a
+  mask, for a cache whose `native_ops` is True, is attended by one C++ op with the same
+  output and mean weights (`h2o_fn.metal_ops.cpu_step.attention`). A cache with
   `scored_queries(N)` = M < N (a prompt chunk scored by its last M queries) gets the
   weights of those M only, `[B, H, M, L]`, and the output from mlx-lm's own attention:
   memory linear in the chunk, not quadratic;
@@ -239,7 +241,7 @@ def _hooked(original, reduce: str, queries, keys, values, cache, scale, mask, si
         M = cache.scored_queries(N) if hasattr(cache, "scored_queries") else N
         how = getattr(cache, "weights_reduce", reduce)  # "none": every query head's weights
         if M == N and mask is None and sinks is None and bits is None and how == "mean" and \
-                cpu_step.attends(queries, k, v):  # a decode token: the lines below as one C++ primitive
+                getattr(cache, "native_ops", False) and cpu_step.attends(queries, k, v):  # the lines below as one C++ op
             out, weights = cpu_step.attention(queries, k, v, scale)
             cache.receive_weights(weights)
             return out

@@ -35,7 +35,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import _BaseCache
 
 from h2o_fn import H2OConfig, H2OState, Policy, Prompt, Storage, budgets, state_nbytes, view
-from h2o_fn.metal_ops import protected_argmin
+from h2o_fn.metal_ops import cpu_step, protected_argmin
 
 from . import cache_state, staging
 from .cache_state import CacheState, Pending, Step
@@ -114,6 +114,8 @@ class HookProtocol(_BaseCache):
     wants_weights = property(lambda self: self._s.pending is not None and self._s.pending.key is None,
                              doc="True while the attention weights of the last tokens are awaited.")
     kv_heads = property(lambda self: cache_state.kv_heads(self._s))
+    native_ops = property(lambda self: cpu_step.native(self.policy),
+                          doc="True when its decode tokens run as C++ ops (h2o_fn.metal_ops.cpu_step): so may attention.")
 
     def can_take(self, keys) -> bool:
         """Whether attention over `keys` gives weights this cache can use (`cache_state.can_take`)."""

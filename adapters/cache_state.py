@@ -248,7 +248,7 @@ def receive(s: CacheState, policy: Policy, weights: mx.array) -> CacheState:
         return _flush_when_full(s, policy)
     if p.keys is None:
         w = view.decode_weights(weights, p.state)
-        if p.alive is None and cpu_step.settles(policy):  # one C++ primitive instead of the core's ~20
+        if p.alive is None and cpu_step.native(policy):  # one C++ primitive instead of the core's ~20
             return s._replace(core=cpu_step.settle(p.state, w, policy.config))
         return s._replace(core=policy.settle(p.state, w, p.alive))
     if p.start is not None:  # the view was the written slots [0, start + N)

@@ -1,4 +1,4 @@
-// A key-scored decode token as three mlx primitives on the CPU (h2o_fn.metal_ops.cpu_step builds it).
+// Decode tokens as mlx primitives on the CPU (h2o_fn.metal_ops.cpu_step builds it).
 //
 // What h2o_fn.core.admit then h2o_fn.core.settle_key do for one token with every batch row
 // taking it (alive=None) and rows stored dense, per (b, h):
@@ -14,6 +14,9 @@
 // row write. Each write is in place when mlx can donate the store (nothing else holds it), else a
 // copy. The evicted token's rows stay where they are: this token's decode view (the first span
 // slots) is the admitted state's.
+// A query-scored decode token: the two row writes and H2OAdmitCounts (core.admit), H2OAttend (the
+// hook's attention of one query per head with its weights averaged per KV head) and
+// H2OWeightSettle (core.settle).
 // Shapes: keys [B, H, C, Dk], values [B, H, C, Dv], scores and positions [B, H, C], length and
 // seen [B], key [B, H, 1, Dk], value [B, H, 1, Dv].
 #include <algorithm>

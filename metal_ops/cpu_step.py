@@ -1,4 +1,4 @@
-"""A key-scored decode token as C++ mlx primitives on the CPU: `key_step`.
+"""Decode tokens as C++ mlx primitives on the CPU: `key_step`; `admit`, `attention`, `settle`.
 
 On a CPU mlx dispatches each primitive for a few microseconds whatever it computes, and a
 key-scored decode token costs `h2o_fn.core`'s admit and settle_key 35 more of them per layer
@@ -10,8 +10,14 @@ Each write is in place when nothing else holds the store (one output: mlx donate
 a primitive with sibling outputs). Its spec is the core: `key_step(state, key, value, config)` is
 `settle_key(admit(state, key, value), key, config)` (dense rows, every batch row taking the
 token), bit for bit: the weights come from the same `cblas_sgemm` call mlx's matmul makes and
-mlx's own softmax (`exact` states; tests/test_cpu_step.py). `settle` does query scoring's
-decode settle (`core.settle`: the hook's weights decay-added, one eviction) as one primitive.
+mlx's own softmax (`exact` states; tests/test_cpu_step.py).
+
+A query-scored decode token (50 more primitives a layer than rotating's, as mlx ops) takes three
+ops, each bit for bit its spec: `admit` (`core.admit`: the two row writes and one for the
+positions and counts), `attention` (the attention hook's explicit attention of one query per
+head and its weights averaged per KV head: the same two `cblas_sgemm` calls, `h2o_fn.softmax`'s
+exp replayed operation for operation) and `settle` (`core.settle`: the weights decay-added, one
+eviction). `native(policy)` says whether a cache takes them (the bench's mx-ops rows do not).
 
 `make setup` runs `python -m h2o_fn.metal_ops.cpu_step`, which builds it with cmake, g++ and
 nanobind (the version and domain mlx's own module was built with) into this environment's
@@ -40,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import mlx.core as mx
 
@@ -122,9 +128,10 @@ def exact(state: H2OState) -> bool:
     return state.scores.size <= MLX_UP_TO
 
 
-def settles(policy: Policy) -> bool:
-    """Whether a decode token's weights settle through `settle`: built, on the CPU, and the
-    rule's own eviction (not a custom `argmin`); any scoring and row storage (rows are not read)."""
+def native(policy: Policy) -> bool:
+    """Whether a cache of this policy takes the C++ ops (`admit`, `attention`, `settle`): built,
+    on the CPU, and the rule's own eviction (not a custom `argmin`, such as the bench's mx-ops
+    rows); any scoring and row storage (`admits` asks dense rows)."""
     return policy.argmin in (rule.protected_argmin, evict.protected_argmin) and available()
 
 
@@ -139,9 +146,9 @@ def settle(admitted: H2OState, weights: mx.array, config: H2OConfig) -> H2OState
 
 
 def admits(policy: Policy) -> bool:
-    """Whether a decode token that every row takes is admitted through `admit`: built, on the
-    CPU, dense rows."""
-    return policy.kv.bits is None and available()
+    """Whether a decode token that every row takes is admitted through `admit`: `native` and
+    dense rows."""
+    return policy.kv.bits is None and native(policy)
 
 
 def admit(state: H2OState, key: mx.array, value: mx.array) -> H2OState:
@@ -157,19 +164,17 @@ def admit(state: H2OState, key: mx.array, value: mx.array) -> H2OState:
 
 def attends(queries: mx.array, keys, values) -> bool:
     """Whether `attention` takes this attention: built, on the CPU, one query per head, dense
-    keys and values of at most `UP_TO` rows."""
-    return (queries.shape[2] == 1 and isinstance(keys, mx.array) and isinstance(values, mx.array)
-            and keys.shape[2] <= UP_TO and available())
+    keys and values (any number: it is the faster at 256-4096 keys, BENCHMARKS.md)."""
+    return queries.shape[2] == 1 and isinstance(keys, mx.array) and isinstance(values, mx.array) and available()
 
 
-def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float):
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> Tuple[mx.array, mx.array]:
     """One query per head, no mask: `attention_with_weights(queries, keys, values, scale)`'s
     output `[B, Hq, 1, Dv]` (the queries' dtype) and its weights averaged over the query heads
     sharing each KV head, `per_kv_head(weights, H)` `[B, H, 1, L]` float32, as one primitive, bit
     for bit (h2o_fn.adapters.attention: the same products, h2o_fn.softmax's exp). Queries `[B,
     Hq, 1, D]`, keys `[B, H, L, D]`, values `[B, H, L, Dv]`, Hq a multiple of H."""
-    out, weights = module().attention(queries, keys, values, scale)
-    return out, weights
+    return tuple(module().attention(queries, keys, values, scale))
 
 
 def key_step(state: H2OState, key: mx.array, value: mx.array, config: H2OConfig) -> H2OState:

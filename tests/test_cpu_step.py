@@ -195,7 +195,8 @@ def test_a_weights_settle_is_the_cores(seed, C, n_sink, grace, decay, odd):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**30), dtype=st.sampled_from([mx.float16, mx.bfloat16, mx.float32]),
-       shape=st.sampled_from([(1, 9, 3, 257, 64), (2, 4, 2, 33, 16), (1, 2, 2, 1, 8), (2, 6, 1, 130, 32)]),
+       shape=st.sampled_from([(1, 9, 3, 257, 64), (2, 4, 2, 33, 16), (1, 2, 2, 1, 8), (2, 6, 1, 130, 32),
+                              (1, 6, 3, 2049, 16)]),
        sliced=st.booleans(), big=st.booleans())
 def test_one_querys_attention_is_the_hooks(seed, dtype, shape, sliced, big):
     """`cpu_step.attention` against `attention_with_weights` then `per_kv_head`, bit for bit
