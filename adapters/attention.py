@@ -240,8 +240,8 @@ def _hooked(original, reduce: str, queries, keys, values, cache, scale, mask, si
         N = queries.shape[2]
         M = cache.scored_queries(N) if hasattr(cache, "scored_queries") else N
         how = getattr(cache, "weights_reduce", reduce)  # "none": every query head's weights
-        if M == N and mask is None and sinks is None and bits is None and how == "mean" and \
-                getattr(cache, "native_ops", False) and cpu_step.attends(queries, k, v):  # the lines below as one C++ op
+        if M == N and mask is None and sinks is None and how == "mean" and getattr(cache, "native_ops", False) \
+                and cpu_step.attends(queries, k, v, bits):  # the lines below as one C++ op
             out, weights = cpu_step.attention(queries, k, v, scale)
             cache.receive_weights(weights)
             return out

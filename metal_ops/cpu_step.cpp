@@ -468,29 +468,73 @@ void store_out(array& out, int64_t i, float x) {
   }
 }
 
+// the 8-bit codes of (b, h)'s rows [n, D] as float32 into `tmp` (mx.quantize packs element d of a row
+// into byte d % 4 of word d / 4, little-endian: the words read as bytes are the codes in order), and
+// each row's one scale and bias (a group per row) as float32 into `sc`, `bi`
+void codes_of(const array& packed, const array& scales, const array& biases, int b, int h, std::vector<float>& tmp,
+              std::vector<float>& sc, std::vector<float>& bi) {
+  int n = packed.shape(2), D = packed.shape(3) * 4;
+  tmp.resize(static_cast<size_t>(n) * D);
+  sc.resize(n);
+  bi.resize(n);
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(packed.data<uint32_t>() + at(packed, b, h, 0));
+  for (int i = 0; i < n; ++i) {
+    const uint8_t* row = bytes + i * packed.strides(2) * 4;
+    for (int d = 0; d < D; ++d) tmp[static_cast<size_t>(i) * D + d] = static_cast<float>(row[d]);
+    sc[i] = load(scales, at(scales, b, h, i, 0));
+    bi[i] = load(biases, at(biases, b, h, i, 0));
+  }
+}
+
 // One query per query head attending to every row, no mask, as h2o_fn.adapters.attention's
 // attention_with_weights then per_kv_head(mean) compute it, per (b, h) with its R = Hq / H query
 // heads as rows: logits = (q * scale) . K^T (the cblas_sgemm call mlx's matmul makes), h2o_fn's
 // softmax of each row (the max subtracted, exp_nonpositive, the sum in order, divided), out =
 // W . V (cblas_sgemm) cast to the queries' dtype, and the weights' mean over the R rows (their
-// sum in order times float32(1 / R)).
-// Inputs: queries [B, Hq, 1, D], keys [B, H, L, D], values [B, H, L, Dv]; outputs: out [B, Hq, 1, Dv],
-// weights [B, H, 1, L] float32.
-void attend(const array& q, const array& keys, const array& values, float scale, array& out, array& wm) {
-  int B = keys.shape(0), H = keys.shape(1), L = keys.shape(2), D = keys.shape(3), Dv = values.shape(3);
+// sum in order times float32(1 / R)). 8-bit rows with one group per row (`in` holds the keys' and
+// the values' packed codes, scales and biases) as h2o_fn.storage's matmul_t and matmul take them:
+// logits = (x . codes^T) * s + sum(x) * b, out = (W * s) . codes + W . b, each op rounded in turn.
+// Inputs: queries [B, Hq, 1, D], keys [B, H, L, D], values [B, H, L, Dv] (or their triples);
+// outputs: out [B, Hq, 1, Dv], weights [B, H, 1, L] float32.
+void attend(const std::vector<array>& in, float scale, array& out, array& wm) {
+  const array& q = in[0];
+  bool q8 = in.size() == 7;
+  const array& kp = in[1];
+  const array& vp = in[q8 ? 4 : 2];
+  int B = kp.shape(0), H = kp.shape(1), L = kp.shape(2), D = q.shape(3), Dv = vp.shape(3) * (q8 ? 4 : 1);
   int R = q.shape(1) / H;
   std::vector<float> qr(static_cast<size_t>(R) * D), w(static_cast<size_t>(R) * L), o(static_cast<size_t>(R) * Dv);
-  std::vector<float> kt, vt;
+  std::vector<float> kt, vt, ks, kb, vs, vb, xs(R), t(static_cast<size_t>(R) * L), ob(R);
   float inv_r = static_cast<float>(1.0 / R);
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < H; ++h) {
       for (int r = 0; r < R; ++r)
         for (int d = 0; d < D; ++d) qr[static_cast<size_t>(r) * D + d] = load(q, at(q, b, h * R + r, 0, d)) * scale;
-      int ldk = 0, ldv = 0;
-      const float* k = rows_of(keys, b, h, kt, ldk);
-      const float* v = rows_of(values, b, h, vt, ldv);
+      int ldk = D, ldv = Dv;
+      const float* k;
+      const float* v;
+      if (q8) {
+        codes_of(in[1], in[2], in[3], b, h, kt, ks, kb);
+        codes_of(in[4], in[5], in[6], b, h, vt, vs, vb);
+        k = kt.data();
+        v = vt.data();
+      } else {
+        k = rows_of(in[1], b, h, kt, ldk);
+        v = rows_of(in[2], b, h, vt, ldv);
+      }
       if (L > 0 && D > 0) cblas_sgemm(101, 111, 112, R, L, D, 1.0f, qr.data(), D, k, ldk, 0.0f, w.data(), L);
       else std::fill(w.begin(), w.end(), 0.0f);
+      if (q8) {
+        for (int r = 0; r < R; ++r) {
+          float sum = 0.0f;
+          for (int d = 0; d < D; ++d) sum += qr[static_cast<size_t>(r) * D + d];
+          for (int c = 0; c < L; ++c) {
+            float& x = w[static_cast<size_t>(r) * L + c];
+            float dot = x * ks[c], bias = sum * kb[c];
+            x = dot + bias;
+          }
+        }
+      }
       float* m = wm.data<float>() + (static_cast<int64_t>(b) * H + h) * L;
       for (int r = 0; r < R; ++r) {
         float* x = w.data() + static_cast<size_t>(r) * L;
@@ -508,8 +552,20 @@ void attend(const array& q, const array& keys, const array& values, float scale,
         for (int r = 0; r < R; ++r) sum += w[static_cast<size_t>(r) * L + c];
         m[c] = sum * inv_r;
       }
-      if (Dv > 0 && L > 0) cblas_sgemm(101, 111, 111, R, Dv, L, 1.0f, w.data(), L, v, ldv, 0.0f, o.data(), Dv);
+      const float* ww = w.data();
+      if (q8) {
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < L; ++c) t[static_cast<size_t>(r) * L + c] = w[static_cast<size_t>(r) * L + c] * vs[c];
+        ww = t.data();
+      }
+      if (Dv > 0 && L > 0) cblas_sgemm(101, 111, 111, R, Dv, L, 1.0f, ww, L, v, ldv, 0.0f, o.data(), Dv);
       else std::fill(o.begin(), o.end(), 0.0f);
+      if (q8) {
+        if (L > 0) cblas_sgemm(101, 111, 111, R, 1, L, 1.0f, w.data(), L, vb.data(), 1, 0.0f, ob.data(), 1);
+        else std::fill(ob.begin(), ob.end(), 0.0f);
+        for (int r = 0; r < R; ++r)
+          for (int d = 0; d < Dv; ++d) o[static_cast<size_t>(r) * Dv + d] += ob[r];
+      }
       for (int r = 0; r < R; ++r)
         for (int d = 0; d < Dv; ++d)
           store_out(out, ((static_cast<int64_t>(b) * H * R + h * R + r)) * Dv + d, o[static_cast<size_t>(r) * Dv + d]);
@@ -523,10 +579,10 @@ class H2OAttend : public Primitive {
   void eval_cpu(const std::vector<array>& in, std::vector<array>& out) override {
     for (auto& o : out) o.set_data(allocator::malloc(o.nbytes()));
     encode(stream(), in, out);
+    std::vector<array> ins;
+    for (auto& a : in) ins.push_back(weak(a));
     cpu::get_command_encoder(stream()).dispatch(
-        [q = weak(in[0]), k = weak(in[1]), v = weak(in[2]), o = weak(out[0]), w = weak(out[1]), sc = scale_]() mutable {
-          attend(q, k, v, sc, o, w);
-        });
+        [ins = std::move(ins), o = weak(out[0]), w = weak(out[1]), sc = scale_]() mutable { attend(ins, sc, o, w); });
   }
 
   void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
@@ -638,6 +694,26 @@ std::vector<array> attention(const array& queries, const array& keys, const arra
                             std::make_shared<H2OAttend>(default_stream(Device::cpu), scale), {queries, keys, values});
 }
 
+std::vector<array> attention_q8(const array& queries, const array& kp, const array& ks, const array& kb,
+                                const array& vp, const array& vs, const array& vb, float scale) {
+  auto fl = [](const array& a) { return a.dtype() == float16 || a.dtype() == bfloat16 || a.dtype() == float32; };
+  need(queries.ndim() == 4 && kp.ndim() == 4 && vp.ndim() == 4 && ks.ndim() == 4 && vs.ndim() == 4,
+       "expected queries [B, Hq, 1, D] and mx.quantize's triples [B, H, L, D / 4], [B, H, L, 1]");
+  int B = kp.shape(0), H = kp.shape(1), L = kp.shape(2);
+  Shape one{B, H, L, 1};
+  need(queries.shape(0) == B && queries.shape(2) == 1 && queries.shape(3) == kp.shape(3) * 4 && H > 0 &&
+           queries.shape(1) % H == 0 && vp.shape(0) == B && vp.shape(1) == H && vp.shape(2) == L &&
+           ks.shape() == one && kb.shape() == one && vs.shape() == one && vb.shape() == one,
+       "expected queries [B, Hq, 1, D] with Hq a multiple of H, 8-bit keys and values [B, H, L, D / 4] with one "
+       "group per row (scales, biases [B, H, L, 1])");
+  need(fl(queries) && kp.dtype() == uint32 && vp.dtype() == uint32 && fl(ks) && fl(kb) && fl(vs) && fl(vb) &&
+           kp.strides(3) == 1 && vp.strides(3) == 1,
+       "expected float queries, scales and biases, uint32 codes with contiguous rows");
+  return array::make_arrays({{B, queries.shape(1), 1, vp.shape(3) * 4}, {B, H, 1, L}}, {queries.dtype(), float32},
+                            std::make_shared<H2OAttend>(default_stream(Device::cpu), scale),
+                            {queries, kp, ks, kb, vp, vs, vb});
+}
+
 std::vector<array> admit_rows(const array& keys, const array& values, const array& positions, const array& length,
                               const array& seen, const array& key, const array& value) {
   auto fl = [](const array& a) { return a.dtype() == float16 || a.dtype() == bfloat16 || a.dtype() == float32; };
@@ -669,6 +745,7 @@ NB_MODULE(_h2o_cpu_step, m) {
         "(keys, values, scores, positions, length, seen)' after admitting one token and settling it by its key");
   m.def("attention", &attention,
         "(out [B, Hq, 1, Dv], weights [B, H, 1, L]) of one query per head, as attention_with_weights then per_kv_head");
+  m.def("attention_q8", &attention_q8, "`attention` over 8-bit rows, one group per row");
   m.def("admit_rows", &admit_rows, "(keys, values, positions, length, seen)' after admitting one token");
   m.def("weight_settle", &weight_settle, "(scores, positions, length)' of an admitted state settled by its weights");
 }

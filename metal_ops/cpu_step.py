@@ -162,18 +162,24 @@ def admit(state: H2OState, key: mx.array, value: mx.array) -> H2OState:
     return state._replace(keys=keys, values=values, positions=positions, length=length, seen=seen)
 
 
-def attends(queries: mx.array, keys, values) -> bool:
+def attends(queries: mx.array, keys, values, bits: Optional[int] = None) -> bool:
     """Whether `attention` takes this attention: built, on the CPU, one query per head, dense
-    keys and values (any number: it is the faster at 256-4096 keys, BENCHMARKS.md)."""
-    return queries.shape[2] == 1 and isinstance(keys, mx.array) and isinstance(values, mx.array) and available()
+    keys and values (any number: it is the faster at 256-4096 keys, BENCHMARKS.md), or 8-bit
+    rows (`bits`) in mx.quantize's triples with one group per row."""
+    dense = bits is None and isinstance(keys, mx.array) and isinstance(values, mx.array)
+    q8 = bits == 8 and all(isinstance(x, tuple) and len(x) == 3 and x[1].shape[-1] == 1 for x in (keys, values))
+    return queries.shape[2] == 1 and (dense or q8) and available()
 
 
-def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> Tuple[mx.array, mx.array]:
+def attention(queries: mx.array, keys, values, scale: float) -> Tuple[mx.array, mx.array]:
     """One query per head, no mask: `attention_with_weights(queries, keys, values, scale)`'s
     output `[B, Hq, 1, Dv]` (the queries' dtype) and its weights averaged over the query heads
     sharing each KV head, `per_kv_head(weights, H)` `[B, H, 1, L]` float32, as one primitive, bit
-    for bit (h2o_fn.adapters.attention: the same products, h2o_fn.softmax's exp). Queries `[B,
-    Hq, 1, D]`, keys `[B, H, L, D]`, values `[B, H, L, Dv]`, Hq a multiple of H."""
+    for bit (h2o_fn.adapters.attention: the same products, h2o_fn.softmax's exp; 8-bit rows as
+    h2o_fn.storage multiplies them). Queries `[B, Hq, 1, D]`, keys `[B, H, L, D]`, values
+    `[B, H, L, Dv]` (or 8-bit triples, `attends`), Hq a multiple of H."""
+    if isinstance(keys, tuple):
+        return tuple(module().attention_q8(queries, *keys, *values, scale))
     return tuple(module().attention(queries, keys, values, scale))
 
 

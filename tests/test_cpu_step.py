@@ -110,6 +110,9 @@ def test_bad_inputs_name_what_was_expected():
         cpu_step.key_step(s, mx.zeros((1, 2, 1, 8)), mx.zeros((1, 2, 1, 8)), cfg._replace(scoring="query"))
     with pytest.raises(ValueError, match="Hq a multiple"):
         cpu_step.attention(mx.zeros((1, 3, 1, 8)), s.keys, s.values, 1.0)
+    rows = tuple(mx.quantize(mx.zeros((1, 2, 4, 64)), group_size=32, bits=8))  # two groups per row
+    with pytest.raises(ValueError, match="one group per row"):
+        cpu_step.attention(mx.zeros((1, 2, 1, 64)), rows, rows, 1.0)
     with pytest.raises(ValueError, match="expected key"):
         cpu_step.admit(s, mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 8)))
 
@@ -128,15 +131,15 @@ def test_a_module_built_for_another_mlx_is_refused(tmp_path, monkeypatch):
 PROMPT = mx.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4])
 
 
-def decode(model, cfg: H2OConfig, hooked: bool):
-    """A tiny model's mlx-lm decode of 30 tokens through the adapter: (logits `[T, V]`, each
-    layer's core state)."""
+def decode(model, cfg: H2OConfig, hooked: bool, kv_bits=None):
+    """A tiny model's mlx-lm decode of 30 tokens through the adapter (rows in `kv_bits`, one
+    group per row): (logits `[T, V]`, each layer's core state)."""
     from mlx_lm.generate import generate_step
 
     from h2o_fn.adapters.attention import remove_query_hook
     from h2o_fn.adapters.mlx_lm import h2o_caches, make_h2o_cache
 
-    cache = make_h2o_cache(model, cfg)
+    cache = make_h2o_cache(model, cfg, kv_bits=kv_bits, kv_group_size=model.args.hidden_size // model.args.num_attention_heads)
     if not hooked:
         remove_query_hook(model)
     logits = mx.stack([mx.array(lp) for _, lp in generate_step(PROMPT, model, prompt_cache=cache, max_tokens=30)])
@@ -145,27 +148,30 @@ def decode(model, cfg: H2OConfig, hooked: bool):
     return logits, [c.core_state for c in h2o_caches(cache)]
 
 
-@pytest.mark.parametrize("scoring, hooked", [("key", True), ("key", False), ("query", True)])
-def test_a_models_decode_through_it_is_the_cores(scoring, hooked, monkeypatch):
+@pytest.mark.parametrize("scoring, hooked, kv_bits", [("key", True, None), ("key", False, None),
+                                                      ("query", True, None), ("query", True, 8)])
+def test_a_models_decode_through_it_is_the_cores(scoring, hooked, kv_bits, monkeypatch):
     """mlx-lm's decode loop with the adapter: the C++ ops (the key step; query's admit, attention
-    and settle) and the core's mlx ops give the same logits, kept positions and scores, bit for bit."""
+    and settle; 8-bit rows: attention and settle) and the core's mlx ops give the same logits,
+    kept positions and scores, bit for bit."""
     from h2o_fn.adapters.attention import remove_query_hook
     from tiny_models import tiny_model
 
-    model = tiny_model("llama")
+    model = tiny_model("llama", hidden_size=128)  # head_dim 32: one group of 8-bit codes per row
     cfg = H2OConfig(budget=12, n_sink=1, grace=2, scoring=scoring)
     calls = {}
-    for name in ["key_step"] if scoring == "key" else ["admit", "attention", "settle"]:
+    ops = ["key_step"] if scoring == "key" else ["attention", "settle"] + ([] if kv_bits else ["admit"])
+    for name in ops:
         op = getattr(cpu_step, name)
         monkeypatch.setattr(cpu_step, name, lambda *a, op=op, name=name: (calls.setdefault(name, []).append(1), op(*a))[1])
     try:
-        (a, sa) = decode(model, cfg, hooked)
+        (a, sa) = decode(model, cfg, hooked, kv_bits)
         n = {name: len(c) for name, c in calls.items()}
         monkeypatch.setattr(cpu_step, "available", lambda: False)  # the core's path from here
-        (b, sb) = decode(model, cfg, hooked)
+        (b, sb) = decode(model, cfg, hooked, kv_bits)
     finally:
         remove_query_hook(model)
-    assert min(n.values()) >= 29 * len(sa) and len(n) == (1 if scoring == "key" else 3)  # every decode token, every layer
+    assert min(n.values()) >= 29 * len(sa) and len(n) == len(ops)  # every decode token, every layer
     assert {name: len(c) for name, c in calls.items()} == n  # and none in the second run
     assert mx.array_equal(a, b).item()
     for x, y in zip(sa, sb):
@@ -197,19 +203,23 @@ def test_a_weights_settle_is_the_cores(seed, C, n_sink, grace, decay, odd):
 @given(seed=st.integers(0, 2**30), dtype=st.sampled_from([mx.float16, mx.bfloat16, mx.float32]),
        shape=st.sampled_from([(1, 9, 3, 257, 64), (2, 4, 2, 33, 16), (1, 2, 2, 1, 8), (2, 6, 1, 130, 32),
                               (1, 6, 3, 2049, 16)]),
-       sliced=st.booleans(), big=st.booleans())
-def test_one_querys_attention_is_the_hooks(seed, dtype, shape, sliced, big):
+       sliced=st.booleans(), big=st.booleans(), q8=st.booleans())
+def test_one_querys_attention_is_the_hooks(seed, dtype, shape, sliced, big, q8):
     """`cpu_step.attention` against `attention_with_weights` then `per_kv_head`, bit for bit
-    (output and weights), keys and values as a store's first L rows or on their own, logits
-    large enough that most weights underflow (`big`)."""
+    (output and weights), keys and values as a store's first L rows or on their own, dense or
+    8-bit (one group per row), logits large enough that most weights underflow (`big`)."""
     from h2o_fn.adapters.attention import attention_with_weights, per_kv_head
 
     B, Hq, H, L, D = shape
     q = (mx.random.normal((B, Hq, 1, D), key=mx.random.key(seed)) * (30 if big else 1)).astype(dtype)
     kv = mx.random.normal((2, B, H, L + 3 * sliced, D), key=mx.random.key(seed + 1)).astype(dtype)
-    k, v = kv[0, :, :, :L], kv[1, :, :, :L]
+    if q8 and D >= 32:
+        k, v = (tuple(x[:, :, :L] for x in mx.quantize(kv[i], group_size=D, bits=8)) for i in (0, 1))
+    else:
+        q8, k, v = False, kv[0, :, :, :L], kv[1, :, :, :L]
+    assert cpu_step.attends(q, k, v, 8 if q8 else None)
     out, w = cpu_step.attention(q, k, v, D ** -0.5)
-    want, ww = attention_with_weights(q, k, v, D ** -0.5)
+    want, ww = attention_with_weights(q, k, v, D ** -0.5, bits=8 if q8 else None, group_size=D)
     assert out.dtype == want.dtype and mx.array_equal(out, want).item()
     assert mx.array_equal(w, per_kv_head(ww, H)).item()
 
