@@ -133,7 +133,7 @@ def _plain_decode(s: CacheState, policy: Policy, keys: mx.array, values: mx.arra
     bookkeeping known (every row takes it, nothing staged or followed)."""
     span, held = view.span_for(s.lengths, slots(s, policy.config)), policy.config.budget + len(s.staged.keys)
     if cpu_step.fused(policy, s.core, span):  # the admitted rows stay where they are: the view is the admitted state's
-        core = cpu_step.key_step(s.core, keys, values, policy.config)
+        core = cpu_step.key_step(s.core, keys, values, policy.config, span)
         s, out = s._replace(core=core), view.view(core, span)
     else:
         s, out = _decode(s, policy, keys, values, span, None)

@@ -51,6 +51,7 @@ namespace {
 struct Knobs {
   float decay, scale;
   int n_sink, grace, budget;
+  int span = 0;  // the key step: slots of the view the proxy's product covers (the rest score 0 logits)
 };
 
 float load(const array& a, int64_t i) {
@@ -189,18 +190,21 @@ float exp_sum(float* w, int C, float top) {
 
 // the key proxy's weights of row (b, h) into w [C], as h2o_fn.scoring.proxy_weights computes them
 // with mx.softmax (up to h2o_fn.softmax.MLX_UP_TO elements): the keys as float32, their product with
-// q by the cblas_sgemm call mlx's matmul makes, then mlx's CPU softmax (simd::exp, one lane on x86)
+// q over the first N slots (the decode view's, as the attention hook multiplies them; 0 beyond, as
+// view.decode_weights pads) by the cblas_sgemm call mlx's matmul makes, then mlx's CPU softmax
+// (simd::exp, one lane on x86)
 template <typename T>
 void proxy_of(const array& keys, const std::vector<float>& q, const int32_t* pos, int32_t newest, int b, int h,
-              std::vector<float>& kf, std::vector<float>& w) {
+              int N, std::vector<float>& kf, std::vector<float>& w) {
   int H = keys.shape(1), C = keys.shape(2), D = keys.shape(3);
   const T* rows = keys.data<T>() + (static_cast<int64_t>(b) * H + h) * C * D;
   const float* k32 = reinterpret_cast<const float*>(rows);
   if constexpr (!std::is_same_v<T, float>) {
-    widen(rows, kf.data(), static_cast<int64_t>(C) * D);
+    widen(rows, kf.data(), static_cast<int64_t>(N) * D);
     k32 = kf.data();
   }
-  cblas_sgemm(101, 111, 112, 1, C, D, 1.0f, q.data(), D, k32, D, 0.0f, w.data(), C);  // row-major, q . K^T
+  if (N > 0) cblas_sgemm(101, 111, 112, 1, N, D, 1.0f, q.data(), D, k32, D, 0.0f, w.data(), C);  // row-major, q . K^T
+  std::fill(w.begin() + N, w.end(), 0.0f);
   const float inf = std::numeric_limits<float>::infinity();
   float top = -inf;
   for (int c = 0; c < C; ++c) {
@@ -214,12 +218,12 @@ void proxy_of(const array& keys, const std::vector<float>& q, const int32_t* pos
   }
 }
 
-void proxy(const array& keys, const std::vector<float>& q, const int32_t* pos, int32_t newest, int b, int h,
+void proxy(const array& keys, const std::vector<float>& q, const int32_t* pos, int32_t newest, int b, int h, int N,
            std::vector<float>& kf, std::vector<float>& w) {
   switch (keys.dtype()) {
-    case float16: return proxy_of<float16_t>(keys, q, pos, newest, b, h, kf, w);
-    case bfloat16: return proxy_of<bfloat16_t>(keys, q, pos, newest, b, h, kf, w);
-    default: return proxy_of<float>(keys, q, pos, newest, b, h, kf, w);
+    case float16: return proxy_of<float16_t>(keys, q, pos, newest, b, h, N, kf, w);
+    case bfloat16: return proxy_of<bfloat16_t>(keys, q, pos, newest, b, h, N, kf, w);
+    default: return proxy_of<float>(keys, q, pos, newest, b, h, N, kf, w);
   }
 }
 
@@ -287,7 +291,7 @@ void settle(Io& io, Knobs kn) {
       for (int c = 0; c < C; ++c) pr[c] = pin[c * ps];
       pr[first_free(io.pos, b, h)] = newest;
       for (int d = 0; d < Dk; ++d) q[d] = load(io.key, at(io.key, b, h, 0, d)) * kn.scale;
-      proxy(io.keys, q, pr, newest, b, h, kf, w);
+      proxy(io.keys, q, pr, newest, b, h, std::min(kn.span, C), kf, w);
       for (int c = 0; c < C; ++c) {
         float decayed = kn.decay * sin[c * ss];
         sr[c] = decayed + w[c];
@@ -636,7 +640,7 @@ void need(bool ok, const std::string& what) {
 
 std::vector<array> key_step(const array& keys, const array& values, const array& scores, const array& positions,
                             const array& length, const array& seen, const array& key, const array& value,
-                            float decay, float scale, int n_sink, int grace, int budget) {
+                            float decay, float scale, int n_sink, int grace, int budget, int span) {
   auto fl = [](const array& a) { return a.dtype() == float16 || a.dtype() == bfloat16 || a.dtype() == float32; };
   need(keys.ndim() == 4 && values.ndim() == 4 && scores.ndim() == 3, "expected keys, values [B, H, C, D], scores [B, H, C]");
   int B = scores.shape(0), H = scores.shape(1), C = scores.shape(2);
@@ -646,6 +650,7 @@ std::vector<array> key_step(const array& keys, const array& values, const array&
   need(key.shape() == Shape{B, H, 1, keys.shape(3)} && value.shape() == Shape{B, H, 1, values.shape(3)},
        "expected key [B, H, 1, Dk] and value [B, H, 1, Dv]");
   need(length.shape() == Shape{B} && seen.shape() == Shape{B}, "expected length and seen [B]");
+  need(span >= 0 && span <= C, "expected a span of 0 to C slots");
   need(fl(keys) && fl(values) && fl(key) && fl(value) && scores.dtype() == float32 && positions.dtype() == int32 &&
            length.dtype() == int32 && seen.dtype() == int32,
        "expected float stores and rows, float32 scores, int32 positions, length and seen");
@@ -661,7 +666,7 @@ std::vector<array> key_step(const array& keys, const array& values, const array&
   array k2 = write(keys, key, {});
   auto rest = array::make_arrays({scores.shape(), positions.shape(), length.shape(), seen.shape()},
                                  {float32, int32, int32, int32},
-                                 std::make_shared<H2OKeySettle>(cpu_stream, Knobs{decay, scale, n_sink, grace, budget}),
+                                 std::make_shared<H2OKeySettle>(cpu_stream, Knobs{decay, scale, n_sink, grace, budget, span}),
                                  {k2, scores, positions, length, seen, key});
   return {k2, write(values, value, {rest[2]}), rest[0], rest[1], rest[2], rest[3]};
 }

@@ -15,8 +15,8 @@ mlx's own softmax (`exact` states; tests/test_cpu_step.py).
 A query-scored decode token (50 more primitives a layer than rotating's, as mlx ops) takes three
 ops, each bit for bit its spec: `admit` (`core.admit`: the two row writes and one for the
 positions and counts), `attention` (the attention hook's explicit attention of one query per
-head and its weights averaged per KV head: the same two `cblas_sgemm` calls, `h2o_fn.softmax`'s
-exp replayed operation for operation) and `settle` (`core.settle`: the weights decay-added, one
+head and its weights averaged per KV head: the same `cblas_sgemm` calls, `h2o_fn.softmax`'s exp
+replayed operation for operation; dense rows, or 8-bit ones with one group per row) and `settle` (`core.settle`: the weights decay-added, one
 eviction). `native(policy)` says whether a cache takes them (the bench's mx-ops rows do not).
 
 `make setup` runs `python -m h2o_fn.metal_ops.cpu_step`, which builds it with cmake, g++ and
@@ -99,7 +99,7 @@ def module():
         spec.loader.exec_module(m)
         z, n = mx.zeros((1, 1, 2, 1)), mx.zeros((1,), dtype=mx.int32)
         mx.eval(m.key_step(z, z, mx.zeros((1, 1, 2)), mx.full((1, 1, 2), -1, mx.int32), n, n, z[:, :, :1],
-                           z[:, :, :1], 1.0, 1.0, 0, 0, 1))
+                           z[:, :, :1], 1.0, 1.0, 0, 0, 1, 2))
     except (ImportError, TypeError) as e:  # another mlx: its nanobind ABI or array type differs
         print(f"h2o_fn.metal_ops.cpu_step: {found[0]} does not load with mlx {mx.__version__} ({e}); "
               "the core's key step is used (make setup rebuilds it)", file=sys.stderr)
@@ -183,16 +183,21 @@ def attention(queries: mx.array, keys, values, scale: float) -> Tuple[mx.array, 
     return tuple(module().attention(queries, keys, values, scale))
 
 
-def key_step(state: H2OState, key: mx.array, value: mx.array, config: H2OConfig) -> H2OState:
+def key_step(state: H2OState, key: mx.array, value: mx.array, config: H2OConfig,
+             span: Optional[int] = None) -> H2OState:
     """`core.settle_key(core.admit(state, key, value), key, config)` as one primitive: one token
     `[B, H, 1, D]` written into the first free slot of dense stores `[B, H, C, D]`, scored by its
-    key, settled. Every batch row takes it. Needs `available()`."""
+    key, settled. Every batch row takes it. With `span` (the decode view's slots, default C) the
+    proxy's logits are the product over those slots only, 0 beyond, as the attention hook hands
+    them over (`cache_state.receive_proxy`: the same products, which a BLAS may round differently
+    for another N). Needs `available()`."""
     if storage.is_quantized(state.keys) or config.scoring != "key" or not exact(state):
         raise ValueError(f"key_step takes dense rows, scoring='key' and at most {MLX_UP_TO} slots: got "
                          f"{config.scoring!r}, {'quantized' if storage.is_quantized(state.keys) else 'dense'} "
                          f"rows, {state.scores.size} slots")
+    C = state.scores.shape[-1]
     out = module().key_step(*state, key, value, config.decay, key.shape[-1] ** -0.5, config.n_sink,
-                            config.grace, config.budget)
+                            config.grace, config.budget, C if span is None else span)
     return H2OState(*out)
 
 

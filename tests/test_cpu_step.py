@@ -105,7 +105,7 @@ def test_bad_inputs_name_what_was_expected():
     cfg = H2OConfig(budget=4, n_sink=1, grace=1, scoring="key")
     s = init(cfg, 1, 2, 8)
     with pytest.raises(ValueError, match="expected key"):
-        cpu_step.module().key_step(*s, mx.zeros((1, 2, 2, 8)), mx.zeros((1, 2, 1, 8)), 1.0, 1.0, 0, 0, 4)
+        cpu_step.module().key_step(*s, mx.zeros((1, 2, 2, 8)), mx.zeros((1, 2, 1, 8)), 1.0, 1.0, 0, 0, 4, 5)
     with pytest.raises(ValueError, match="scoring='key'"):
         cpu_step.key_step(s, mx.zeros((1, 2, 1, 8)), mx.zeros((1, 2, 1, 8)), cfg._replace(scoring="query"))
     with pytest.raises(ValueError, match="Hq a multiple"):
