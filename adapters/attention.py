@@ -21,7 +21,8 @@ they do, never by their class:
   rows in the same product as the model's queries (the keys are read once for both),
   and their logits `[B, H, P, L]` handed to `cache.receive_proxy(logits)`; up to
   FUSED_UP_TO keys mlx-lm's own attention gives the output and the rows' logits are a
-  product of their own (the explicit attention's extra primitives cost more there). On a GPU
+  product of their own (the explicit attention's extra primitives cost more there); above
+  that, for a `native_ops` cache without a mask, the same C++ op as above with the rows. On a GPU
   mlx-lm's fused attention is faster than an explicit one, so the hook falls through and
   the cache scores the key itself (as it does with attention sinks);
 - a cache with an `attention_mask(N, mask)` method may replace the mask mlx-lm built
@@ -233,6 +234,8 @@ def _hooked(original, reduce: str, queries, keys, values, cache, scale, mask, si
         if not wants:
             if storage.parts(k)[0].shape[2] <= FUSED_UP_TO:
                 out, logits = mlx_lm_attention(), storage.matmul_t(proxy, k, bits, group)
+            elif mask is None and getattr(cache, "native_ops", False) and cpu_step.attends(queries, k, v, bits):
+                out, _, logits = cpu_step.attention(queries, k, v, scale, proxy)  # the line below as one C++ op
             else:
                 out, logits = attention_with_proxy(queries, k, v, scale, mask, proxy, bits, group)
             cache.receive_proxy(logits)

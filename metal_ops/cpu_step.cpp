@@ -188,6 +188,32 @@ float exp_sum(float* w, int C, float top) {
   return exp_sum_of(w, C, top);
 }
 
+inline float exp_nonpositive(float x);
+void exp_shifted(float* x, int64_t n, float top);
+
+// h2o_fn.scoring.proxy_softmax of one row of logits w [C] in place: the slots holding no token or the
+// newest one at -inf, a softmax (mlx's own with `mlx`, as h2o_fn.softmax.ranking_softmax takes up to
+// MLX_UP_TO elements; else h2o_fn.softmax's: exp_nonpositive, divided by the sum), NaN as 0
+void visible_softmax(float* w, const int32_t* pos, int32_t newest, int C, bool mlx) {
+  const float inf = std::numeric_limits<float>::infinity();
+  float top = -inf;
+  for (int c = 0; c < C; ++c) {
+    if (pos[c] < 0 || pos[c] == newest) w[c] = -inf;
+    top = std::max(top, w[c]);  // as simd::maximum: NaN in w does not propagate
+  }
+  if (mlx) {
+    float inv = 1 / exp_sum(w, C, top);
+    for (int c = 0; c < C; ++c) w[c] *= inv;
+  } else {
+    exp_shifted(w, C, top);
+    float sum = 0.0f;
+    for (int c = 0; c < C; ++c) sum += w[c];
+    for (int c = 0; c < C; ++c) w[c] /= sum;
+  }
+  for (int c = 0; c < C; ++c)
+    if (std::isnan(w[c])) w[c] = 0.0f;  // mx.nan_to_num: no visible slot, or NaN keys
+}
+
 // the key proxy's weights of row (b, h) into w [C], as h2o_fn.scoring.proxy_weights computes them
 // with mx.softmax (up to h2o_fn.softmax.MLX_UP_TO elements): the keys as float32, their product with
 // q over the first N slots (the decode view's, as the attention hook multiplies them; 0 beyond, as
@@ -200,22 +226,13 @@ void proxy_of(const array& keys, const std::vector<float>& q, const int32_t* pos
   const T* rows = keys.data<T>() + (static_cast<int64_t>(b) * H + h) * C * D;
   const float* k32 = reinterpret_cast<const float*>(rows);
   if constexpr (!std::is_same_v<T, float>) {
+    if (kf.size() < static_cast<size_t>(N) * D) kf.resize(static_cast<size_t>(N) * D);
     widen(rows, kf.data(), static_cast<int64_t>(N) * D);
     k32 = kf.data();
   }
   if (N > 0) cblas_sgemm(101, 111, 112, 1, N, D, 1.0f, q.data(), D, k32, D, 0.0f, w.data(), C);  // row-major, q . K^T
   std::fill(w.begin() + N, w.end(), 0.0f);
-  const float inf = std::numeric_limits<float>::infinity();
-  float top = -inf;
-  for (int c = 0; c < C; ++c) {
-    if (pos[c] < 0 || pos[c] == newest) w[c] = -inf;
-    top = std::max(top, w[c]);  // as simd::maximum: NaN in w does not propagate
-  }
-  float inv = 1 / exp_sum(w.data(), C, top);
-  for (int c = 0; c < C; ++c) {
-    w[c] *= inv;
-    if (std::isnan(w[c])) w[c] = 0.0f;  // mx.nan_to_num: no visible slot, or NaN keys
-  }
+  visible_softmax(w.data(), pos, newest, C, true);
 }
 
 void proxy(const array& keys, const std::vector<float>& q, const int32_t* pos, int32_t newest, int b, int h, int N,
@@ -276,7 +293,8 @@ void settle(Io& io, Knobs kn) {
   const int32_t* seen = io.seen.data<int32_t>();
   float* so = io.s_out.data<float>();
   int32_t* po = io.p_out.data<int32_t>();
-  std::vector<float> q(Dk), w(C), kf(static_cast<size_t>(C) * Dk);
+  std::vector<float> q(Dk), w(C);
+  static thread_local std::vector<float> kf;  // half-precision keys as float32: memory kept between calls (`attend`)
   for (int b = 0; b < B; ++b) {
     int32_t length = len[b * io.length.strides(0)] + 1, newest = seen[b * io.seen.strides(0)];
     bool over = length > kn.budget;
@@ -363,18 +381,22 @@ class H2OKeySettle : public Primitive {
 // its weights (NaN, +-inf and negative ones as 0; only slots holding a token keep a score), then
 // one eviction in each row over budget. Inputs: scores, positions [B, H, C], length, seen [B],
 // weights [B, H, C] float32; outputs: scores', positions', length'.
+// With `logits` (1: mlx's softmax, 2: h2o_fn.softmax's) the last input is the key proxy's logits
+// [B, H, 1, span] over the first span slots instead, settled as core.settle_key takes them (alive
+// None): their `visible_softmax` over the slots (0 logits beyond span), scores <- decay * scores + w.
 class H2OWeightSettle : public Primitive {
  public:
-  H2OWeightSettle(Stream s, Knobs knobs) : Primitive(s), knobs_(knobs) {}
+  H2OWeightSettle(Stream s, Knobs knobs, int logits = 0) : Primitive(s), knobs_(knobs), logits_(logits) {}
 
   void eval_cpu(const std::vector<array>& in, std::vector<array>& out) override {
     for (auto& o : out) o.set_data(allocator::malloc(o.nbytes()));
     encode(stream(), in, out);
     cpu::get_command_encoder(stream()).dispatch(
         [sc = weak(in[0]), ps = weak(in[1]), ln = weak(in[2]), se = weak(in[3]), wt = weak(in[4]), so = weak(out[0]),
-         po = weak(out[1]), lo = weak(out[2]), kn = knobs_]() mutable {
+         po = weak(out[1]), lo = weak(out[2]), kn = knobs_, logits = logits_]() mutable {
           const float inf = std::numeric_limits<float>::infinity();
           int B = sc.shape(0), H = sc.shape(1), C = sc.shape(2);
+          std::vector<float> kw(logits ? C : 0);
           for (int b = 0; b < B; ++b) {
             int32_t length = ln.data<int32_t>()[b * ln.strides(0)], newest = se.data<int32_t>()[b * se.strides(0)] - 1;
             bool over = length > kn.budget;
@@ -386,6 +408,18 @@ class H2OWeightSettle : public Primitive {
               const int32_t* p = ps.data<int32_t>() + at(ps, b, h, 0);
               const float* w = wt.data<float>() + at(wt, b, h, 0);
               int64_t ss = sc.strides(2), pst = ps.strides(2), ws = wt.strides(2);
+              if (logits) {
+                for (int c = 0; c < C; ++c) pr[c] = p[c * pst];
+                int span = wt.shape(3);
+                for (int c = 0; c < C; ++c) kw[c] = c < span ? wt.data<float>()[at(wt, b, h, 0, c)] : 0.0f;
+                visible_softmax(kw.data(), pr, newest, C, logits == 1);
+                for (int c = 0; c < C; ++c) {
+                  float decayed = kn.decay * s[c * ss];
+                  sr[c] = decayed + kw[c];
+                }
+                if (over) evict_one(sr, pr, C, newest, kn);
+                continue;
+              }
               for (int c = 0; c < C; ++c) {
                 pr[c] = p[c * pst];
                 float x = w[c * ws], decayed = kn.decay * s[c * ss];
@@ -406,6 +440,7 @@ class H2OWeightSettle : public Primitive {
 
  private:
   Knobs knobs_;
+  int logits_;
 };
 
 // h2o_fn.softmax's exp of x <= 0 (or -inf, NaN), operation for operation as g++ compiles mlx's
@@ -427,6 +462,46 @@ inline float exp_nonpositive(float x) {
   float two;
   std::memcpy(&two, &bits, sizeof two);
   return e_r * two;
+}
+
+// x[i] <- exp_nonpositive(x[i] - top) for n floats: the same operations 8 lanes at a time where the
+// CPU has AVX2 (asked at run time; no FMA, as the scalar one: the same bits for every float, checked
+// over all 2^32 inputs at three tops)
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) void exp_shifted_avx2(float* x, int64_t n, float top) {
+  const __m256 t = _mm256_set1_ps(top), low = _mm256_set1_ps(static_cast<float>(-87.3)),
+               l2e = _mm256_set1_ps(static_cast<float>(1.44269504088896341)), rnd = _mm256_set1_ps(12582912.0f),
+               c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(static_cast<float>(2.12194440e-4)),
+               p0 = _mm256_set1_ps(static_cast<float>(1.9875691500e-4)), p1 = _mm256_set1_ps(static_cast<float>(1.3981999507e-3)),
+               p2 = _mm256_set1_ps(static_cast<float>(8.3334519073e-3)), p3 = _mm256_set1_ps(static_cast<float>(4.1665795894e-2)),
+               p4 = _mm256_set1_ps(static_cast<float>(1.6666665459e-1)), p5 = _mm256_set1_ps(static_cast<float>(5.0000001201e-1)),
+               one = _mm256_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + i), t);
+    __m256 k = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(d, l2e), rnd), rnd);
+    __m256 r = _mm256_add_ps(_mm256_sub_ps(d, _mm256_mul_ps(k, c1)), _mm256_mul_ps(k, c2));
+    __m256 p = _mm256_add_ps(_mm256_mul_ps(p0, r), p1);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), p2);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), p3);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), p4);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), p5);
+    __m256 e = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), one);
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
+    __m256 v = _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
+    __m256 nan = _mm256_and_ps(_mm256_cmp_ps(d, d, _CMP_UNORD_Q), d);  // NaN kept, else 0
+    _mm256_storeu_ps(x + i, _mm256_blendv_ps(nan, v, _mm256_cmp_ps(d, low, _CMP_GE_OQ)));
+  }
+  for (; i < n; ++i) x[i] = exp_nonpositive(x[i] - top);
+}
+#endif
+
+void exp_shifted(float* x, int64_t n, float top) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return exp_shifted_avx2(x, n, top);
+#endif
+  for (int64_t i = 0; i < n; ++i) x[i] = exp_nonpositive(x[i] - top);
 }
 
 // the (b, h) matrix [n, D] of `a` [B, H, n, D] as float32, the layout mlx's matmul multiplies
@@ -472,6 +547,25 @@ void store_out(array& out, int64_t i, float x) {
   }
 }
 
+// n bytes as float32 (exact): AVX2's 8 at a time where the CPU has it (asked at run time)
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) void bytes_avx2(const uint8_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)))));
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+#endif
+
+void bytes_to_float(const uint8_t* src, float* dst, int64_t n) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return bytes_avx2(src, dst, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
 // the 8-bit codes of (b, h)'s rows [n, D] as float32 into `tmp` (mx.quantize packs element d of a row
 // into byte d % 4 of word d / 4, little-endian: the words read as bytes are the codes in order), and
 // each row's one scale and bias (a group per row) as float32 into `sc`, `bi`
@@ -482,9 +576,12 @@ void codes_of(const array& packed, const array& scales, const array& biases, int
   sc.resize(n);
   bi.resize(n);
   const uint8_t* bytes = reinterpret_cast<const uint8_t*>(packed.data<uint32_t>() + at(packed, b, h, 0));
+  if (packed.strides(2) * 4 == D) {
+    bytes_to_float(bytes, tmp.data(), static_cast<int64_t>(n) * D);
+  } else {
+    for (int i = 0; i < n; ++i) bytes_to_float(bytes + i * packed.strides(2) * 4, tmp.data() + static_cast<size_t>(i) * D, D);
+  }
   for (int i = 0; i < n; ++i) {
-    const uint8_t* row = bytes + i * packed.strides(2) * 4;
-    for (int d = 0; d < D; ++d) tmp[static_cast<size_t>(i) * D + d] = static_cast<float>(row[d]);
     sc[i] = load(scales, at(scales, b, h, i, 0));
     bi[i] = load(biases, at(biases, b, h, i, 0));
   }
@@ -498,22 +595,30 @@ void codes_of(const array& packed, const array& scales, const array& biases, int
 // sum in order times float32(1 / R)). 8-bit rows with one group per row (`in` holds the keys' and
 // the values' packed codes, scales and biases) as h2o_fn.storage's matmul_t and matmul take them:
 // logits = (x . codes^T) * s + sum(x) * b, out = (W * s) . codes + W . b, each op rounded in turn.
+// With the key proxy's rows [B, H, P, D] (float32, already scaled) as a last input, they join the
+// query rows in the keys' product, as attention_with_proxy concatenates them, and their logits
+// [B, H, P, L] are a third output.
 // Inputs: queries [B, Hq, 1, D], keys [B, H, L, D], values [B, H, L, Dv] (or their triples);
 // outputs: out [B, Hq, 1, Dv], weights [B, H, 1, L] float32.
-void attend(const std::vector<array>& in, float scale, array& out, array& wm) {
+void attend(const std::vector<array>& in, float scale, array& out, array& wm, array* lg) {
   const array& q = in[0];
-  bool q8 = in.size() == 7;
+  bool q8 = in.size() >= 7;
   const array& kp = in[1];
   const array& vp = in[q8 ? 4 : 2];
   int B = kp.shape(0), H = kp.shape(1), L = kp.shape(2), D = q.shape(3), Dv = vp.shape(3) * (q8 ? 4 : 1);
-  int R = q.shape(1) / H;
-  std::vector<float> qr(static_cast<size_t>(R) * D), w(static_cast<size_t>(R) * L), o(static_cast<size_t>(R) * Dv);
-  std::vector<float> kt, vt, ks, kb, vs, vb, xs(R), t(static_cast<size_t>(R) * L), ob(R);
+  int R = q.shape(1) / H, P = lg ? in.back().shape(2) : 0, M = R + P;
+  std::vector<float> qr(static_cast<size_t>(M) * D), w(static_cast<size_t>(M) * L), o(static_cast<size_t>(R) * Dv);
+  // the stores' float32 copies (8-bit codes, half-precision rows) keep their memory from call to call: a
+  // fresh one is fresh pages, whose faults cost as much as the copy
+  static thread_local std::vector<float> kt, vt;
+  std::vector<float> ks, kb, vs, vb, t(static_cast<size_t>(R) * L), ob(R);
   float inv_r = static_cast<float>(1.0 / R);
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < H; ++h) {
       for (int r = 0; r < R; ++r)
         for (int d = 0; d < D; ++d) qr[static_cast<size_t>(r) * D + d] = load(q, at(q, b, h * R + r, 0, d)) * scale;
+      for (int r = 0; r < P; ++r)  // the proxy's rows, already scaled: one product gives their logits too
+        for (int d = 0; d < D; ++d) qr[static_cast<size_t>(R + r) * D + d] = load(in.back(), at(in.back(), b, h, r, d));
       int ldk = D, ldv = Dv;
       const float* k;
       const float* v;
@@ -526,10 +631,10 @@ void attend(const std::vector<array>& in, float scale, array& out, array& wm) {
         k = rows_of(in[1], b, h, kt, ldk);
         v = rows_of(in[2], b, h, vt, ldv);
       }
-      if (L > 0 && D > 0) cblas_sgemm(101, 111, 112, R, L, D, 1.0f, qr.data(), D, k, ldk, 0.0f, w.data(), L);
+      if (L > 0 && D > 0) cblas_sgemm(101, 111, 112, M, L, D, 1.0f, qr.data(), D, k, ldk, 0.0f, w.data(), L);
       else std::fill(w.begin(), w.end(), 0.0f);
       if (q8) {
-        for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < M; ++r) {
           float sum = 0.0f;
           for (int d = 0; d < D; ++d) sum += qr[static_cast<size_t>(r) * D + d];
           for (int c = 0; c < L; ++c) {
@@ -539,16 +644,17 @@ void attend(const std::vector<array>& in, float scale, array& out, array& wm) {
           }
         }
       }
+      if (lg)
+        std::memcpy(lg->data<float>() + (static_cast<int64_t>(b) * H + h) * P * L, w.data() + static_cast<size_t>(R) * L,
+                    sizeof(float) * P * L);
       float* m = wm.data<float>() + (static_cast<int64_t>(b) * H + h) * L;
       for (int r = 0; r < R; ++r) {
         float* x = w.data() + static_cast<size_t>(r) * L;
         float top = -std::numeric_limits<float>::infinity();
         for (int c = 0; c < L; ++c) top = std::max(top, x[c]);  // a NaN row ends all NaN either way
+        exp_shifted(x, L, top);
         float sum = 0.0f;
-        for (int c = 0; c < L; ++c) {
-          x[c] = exp_nonpositive(x[c] - top);
-          sum += x[c];
-        }
+        for (int c = 0; c < L; ++c) sum += x[c];
         for (int c = 0; c < L; ++c) x[c] /= sum;
       }
       for (int c = 0; c < L; ++c) {
@@ -586,7 +692,8 @@ class H2OAttend : public Primitive {
     std::vector<array> ins;
     for (auto& a : in) ins.push_back(weak(a));
     cpu::get_command_encoder(stream()).dispatch(
-        [ins = std::move(ins), o = weak(out[0]), w = weak(out[1]), sc = scale_]() mutable { attend(ins, sc, o, w); });
+        [ins = std::move(ins), o = weak(out[0]), w = weak(out[1]), lg = weak(out.size() > 2 ? out[2] : out[1]),
+         proxy = out.size() > 2, sc = scale_]() mutable { attend(ins, sc, o, w, proxy ? &lg : nullptr); });
   }
 
   void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
@@ -687,7 +794,46 @@ std::vector<array> weight_settle(const array& scores, const array& positions, co
                             {scores, positions, length, seen, weights});
 }
 
-std::vector<array> attention(const array& queries, const array& keys, const array& values, float scale) {
+// the H2OAttend arrays of `in` (queries, keys and values as one or three arrays each), with the
+// proxy's rows appended when `rows` holds them
+std::vector<array> attended(std::vector<array> in, int Dv, float scale, const std::vector<array>& rows) {
+  const array& q = in[0];
+  int B = in[1].shape(0), H = in[1].shape(1), L = in[1].shape(2);
+  std::vector<Shape> shapes{{B, q.shape(1), 1, Dv}, {B, H, 1, L}};
+  std::vector<Dtype> types{q.dtype(), float32};
+  need(rows.size() <= 1, "expected at most one array of proxy rows");
+  if (!rows.empty()) {
+    const array& r = rows[0];
+    need(r.ndim() == 4 && r.shape(0) == B && r.shape(1) == H && r.shape(3) == q.shape(3) && r.dtype() == float32,
+         "expected proxy rows [B, H, P, D] float32");
+    shapes.push_back({B, H, r.shape(2), L});
+    types.push_back(float32);
+    in.push_back(r);
+  }
+  return array::make_arrays(std::move(shapes), std::move(types),
+                            std::make_shared<H2OAttend>(default_stream(Device::cpu), scale), std::move(in));
+}
+
+std::vector<array> key_settle(const array& scores, const array& positions, const array& length, const array& seen,
+                              const array& logits, float decay, int n_sink, int grace, int budget, bool mlx_softmax) {
+  need(scores.ndim() == 3 && positions.shape() == scores.shape(), "expected scores and positions [B, H, C]");
+  need(logits.ndim() == 4 && logits.shape(0) == scores.shape(0) && logits.shape(1) == scores.shape(1) &&
+           logits.shape(2) == 1 && logits.shape(3) <= scores.shape(2),
+       "expected logits [B, H, 1, span] with span at most C");
+  need(length.shape() == Shape{scores.shape(0)} && seen.shape() == Shape{scores.shape(0)},
+       "expected length and seen [B]");
+  need(scores.dtype() == float32 && logits.dtype() == float32 && positions.dtype() == int32 &&
+           length.dtype() == int32 && seen.dtype() == int32,
+       "expected float32 scores and logits, int32 positions, length and seen");
+  return array::make_arrays({scores.shape(), positions.shape(), length.shape()}, {float32, int32, int32},
+                            std::make_shared<H2OWeightSettle>(default_stream(Device::cpu),
+                                                              Knobs{decay, 1.0f, n_sink, grace, budget},
+                                                              mlx_softmax ? 1 : 2),
+                            {scores, positions, length, seen, logits});
+}
+
+std::vector<array> attention(const array& queries, const array& keys, const array& values, float scale,
+                             const std::vector<array>& rows) {
   auto fl = [](const array& a) { return a.dtype() == float16 || a.dtype() == bfloat16 || a.dtype() == float32; };
   need(queries.ndim() == 4 && keys.ndim() == 4 && values.ndim() == 4, "expected queries [B, Hq, 1, D], keys [B, H, L, D], values [B, H, L, Dv]");
   int B = keys.shape(0), H = keys.shape(1), L = keys.shape(2);
@@ -695,12 +841,12 @@ std::vector<array> attention(const array& queries, const array& keys, const arra
            queries.shape(1) % H == 0 && values.shape(0) == B && values.shape(1) == H && values.shape(2) == L,
        "expected queries [B, Hq, 1, D] with Hq a multiple of the keys' H, keys [B, H, L, D], values [B, H, L, Dv]");
   need(fl(queries) && fl(keys) && fl(values), "expected float queries, keys and values");
-  return array::make_arrays({{B, queries.shape(1), 1, values.shape(3)}, {B, H, 1, L}}, {queries.dtype(), float32},
-                            std::make_shared<H2OAttend>(default_stream(Device::cpu), scale), {queries, keys, values});
+  return attended({queries, keys, values}, values.shape(3), scale, rows);
 }
 
 std::vector<array> attention_q8(const array& queries, const array& kp, const array& ks, const array& kb,
-                                const array& vp, const array& vs, const array& vb, float scale) {
+                                const array& vp, const array& vs, const array& vb, float scale,
+                                const std::vector<array>& rows) {
   auto fl = [](const array& a) { return a.dtype() == float16 || a.dtype() == bfloat16 || a.dtype() == float32; };
   need(queries.ndim() == 4 && kp.ndim() == 4 && vp.ndim() == 4 && ks.ndim() == 4 && vs.ndim() == 4,
        "expected queries [B, Hq, 1, D] and mx.quantize's triples [B, H, L, D / 4], [B, H, L, 1]");
@@ -714,9 +860,7 @@ std::vector<array> attention_q8(const array& queries, const array& kp, const arr
   need(fl(queries) && kp.dtype() == uint32 && vp.dtype() == uint32 && fl(ks) && fl(kb) && fl(vs) && fl(vb) &&
            kp.strides(3) == 1 && vp.strides(3) == 1,
        "expected float queries, scales and biases, uint32 codes with contiguous rows");
-  return array::make_arrays({{B, queries.shape(1), 1, vp.shape(3) * 4}, {B, H, 1, L}}, {queries.dtype(), float32},
-                            std::make_shared<H2OAttend>(default_stream(Device::cpu), scale),
-                            {queries, kp, ks, kb, vp, vs, vb});
+  return attended({queries, kp, ks, kb, vp, vs, vb}, vp.shape(3) * 4, scale, rows);
 }
 
 std::vector<array> admit_rows(const array& keys, const array& values, const array& positions, const array& length,
@@ -751,6 +895,7 @@ NB_MODULE(_h2o_cpu_step, m) {
   m.def("attention", &attention,
         "(out [B, Hq, 1, Dv], weights [B, H, 1, L]) of one query per head, as attention_with_weights then per_kv_head");
   m.def("attention_q8", &attention_q8, "`attention` over 8-bit rows, one group per row");
+  m.def("key_settle", &key_settle, "(scores, positions, length)' of an admitted state settled by its key proxy's logits");
   m.def("admit_rows", &admit_rows, "(keys, values, positions, length, seen)' after admitting one token");
   m.def("weight_settle", &weight_settle, "(scores, positions, length)' of an admitted state settled by its weights");
 }

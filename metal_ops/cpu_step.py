@@ -16,8 +16,11 @@ A query-scored decode token (50 more primitives a layer than rotating's, as mlx 
 ops, each bit for bit its spec: `admit` (`core.admit`: the two row writes and one for the
 positions and counts), `attention` (the attention hook's explicit attention of one query per
 head and its weights averaged per KV head: the same `cblas_sgemm` calls, `h2o_fn.softmax`'s exp
-replayed operation for operation; dense rows, or 8-bit ones with one group per row) and `settle` (`core.settle`: the weights decay-added, one
-eviction). `native(policy)` says whether a cache takes them (the bench's mx-ops rows do not).
+replayed operation for operation; dense rows, or 8-bit ones with one group per row) and `settle`
+(`core.settle`: the weights decay-added, one eviction). `native(policy)` says whether a cache
+takes them (the bench's mx-ops rows do not). A key-scored token that `key_step` does not take
+(8-bit rows, or more than `UP_TO` slots) has the hook's attention hand over its proxy's logits:
+`attention` with the proxy's rows gives them from its own product, `settle_key` settles by them.
 
 `make setup` runs `python -m h2o_fn.metal_ops.cpu_step`, which builds it with cmake, g++ and
 nanobind (the version and domain mlx's own module was built with) into this environment's
@@ -46,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional
 
 import mlx.core as mx
 
@@ -58,7 +61,11 @@ from . import evict
 
 NAME = "_h2o_cpu_step"
 SOURCE = Path(__file__).resolve().parent  # cpu_step.cpp and its CMakeLists.txt
-UP_TO = 1025  # slots of the view up to which `fused` takes a decode token (BENCHMARKS.md, "Decode at every budget")
+# slots of the view up to which `fused` takes a decode token: the hook's attention.FUSED_UP_TO, where
+# mlx-lm's attention gives the output; above, the hook's one C++ attention also gives the proxy's
+# logits, faster (1.02x rotating against 0.93x at budget 1024) and the core's output bit for bit
+# (BENCHMARKS.md, "Decode at every budget")
+UP_TO = 512
 
 
 def library_dir() -> Path:
@@ -116,8 +123,8 @@ def fused(policy: Policy, state: H2OState, span: int) -> bool:
     """Whether a plain key-scored decode token into `state`, over a view of `span` slots, goes
     through `key_step`: built, on the CPU, dense rows, the rule's own eviction (not a custom
     `argmin`), an `exact` state, and at most `UP_TO` slots in the view (above, the attention
-    hook's explicit attention takes the proxy's logits from its own product of the keys, and
-    mlx-lm's attention is the slower one)."""
+    hook's `attention` takes the proxy's logits from its own product of the keys and
+    `settle_key` settles by them)."""
     return (policy.config.scoring == "key" and policy.kv.bits is None and span <= UP_TO and exact(state)
             and policy.argmin in (rule.protected_argmin, evict.protected_argmin) and available())
 
@@ -171,16 +178,33 @@ def attends(queries: mx.array, keys, values, bits: Optional[int] = None) -> bool
     return queries.shape[2] == 1 and (dense or q8) and available()
 
 
-def attention(queries: mx.array, keys, values, scale: float) -> Tuple[mx.array, mx.array]:
+def attention(queries: mx.array, keys, values, scale: float, rows: Optional[mx.array] = None) -> tuple:
     """One query per head, no mask: `attention_with_weights(queries, keys, values, scale)`'s
     output `[B, Hq, 1, Dv]` (the queries' dtype) and its weights averaged over the query heads
     sharing each KV head, `per_kv_head(weights, H)` `[B, H, 1, L]` float32, as one primitive, bit
     for bit (h2o_fn.adapters.attention: the same products, h2o_fn.softmax's exp; 8-bit rows as
     h2o_fn.storage multiplies them). Queries `[B, Hq, 1, D]`, keys `[B, H, L, D]`, values
-    `[B, H, L, Dv]` (or 8-bit triples, `attends`), Hq a multiple of H."""
+    `[B, H, L, Dv]` (or 8-bit triples, `attends`), Hq a multiple of H.
+
+    With the key proxy's `rows` `[B, H, P, D]` (float32, scaled), a third array: their logits
+    `[B, H, P, L]` from the same product, so (output, logits) are `attention_with_proxy`'s."""
+    extra = [] if rows is None else [rows]
     if isinstance(keys, tuple):
-        return tuple(module().attention_q8(queries, *keys, *values, scale))
-    return tuple(module().attention(queries, keys, values, scale))
+        return tuple(module().attention_q8(queries, *keys, *values, scale, extra))
+    return tuple(module().attention(queries, keys, values, scale, extra))
+
+
+def settle_key(admitted: H2OState, logits: mx.array, config: H2OConfig) -> H2OState:
+    """`core.settle_key(admitted, key, config, logits=view.decode_weights(logits, admitted))`
+    with every batch row taking the token, as one primitive, bit for bit: the key proxy's
+    logits `[B, H, 1, span]` over the admitted state's first span slots (0 beyond), their
+    softmax over the slots holding a token other than the new one (mlx's own for `exact`
+    states, else h2o_fn.softmax's, as `ranking_softmax` picks), decay-added, one eviction in
+    each row over budget."""
+    scores, positions, length = module().key_settle(
+        admitted.scores, admitted.positions, admitted.length, admitted.seen, logits.astype(mx.float32),
+        config.decay, config.n_sink, config.grace, config.budget, exact(admitted))
+    return admitted._replace(scores=scores, positions=positions, length=length)
 
 
 def key_step(state: H2OState, key: mx.array, value: mx.array, config: H2OConfig,

@@ -93,7 +93,7 @@ def test_key_scoring_in_the_hook_keeps_what_the_core_keeps(llama32, kv_bits, evi
     the key itself at the next update (or flush). All keep the same tokens with the same
     scores (to float rounding)."""
     monkeypatch.setattr(attention, "FUSED_UP_TO", fused_up_to)
-    monkeypatch.setattr(cpu_step, "UP_TO", 0)  # the core's path (the C++ key step is tests/test_cpu_step.py's)
+    monkeypatch.setattr(cpu_step, "UP_TO", 0)  # a token waits for the hook (key_step: tests/test_cpu_step.py)
     cfg = H2OConfig(budget=12, n_sink=2, grace=3, scoring="key")
     hooked = make_h2o_cache(llama32, cfg, kv_bits=kv_bits, kv_group_size=32, evict_every=evict_every)
     run(llama32, hooked)
@@ -120,7 +120,7 @@ def test_a_waiting_key_scored_token_settles_like_a_step(monkeypatch):
     from h2o_fn import policy as make_policy
     from h2o_fn.adapters import cache_state
 
-    monkeypatch.setattr(cpu_step, "UP_TO", 0)  # a token that waits: the core's path
+    monkeypatch.setattr(cpu_step, "UP_TO", 0)  # a token that waits (not the key step)
     p = make_policy(H2OConfig(budget=6, n_sink=1, grace=2, scoring="key"))
     s = cache_state.CacheState()
     keys = mx.random.normal((2, 3, 12, 8), key=mx.random.key(1))
@@ -367,7 +367,7 @@ def test_reading_a_cache_changes_nothing(llama, monkeypatch):
     on a copy, twice the same), and `is_trimmable()` is a bool in every state."""
     from h2o_fn.adapters import cache_state
 
-    monkeypatch.setattr(cpu_step, "UP_TO", 0)  # the core's path, where a decode token waits
+    monkeypatch.setattr(cpu_step, "UP_TO", 0)  # not the key step: a decode token waits
     cfg = H2OConfig(budget=8, n_sink=1, grace=2, scoring="key")
     cache = make_h2o_cache(llama, cfg)
     remove_query_hook(llama)  # no hook: each decode token waits for its own proxy

@@ -115,6 +115,10 @@ def test_bad_inputs_name_what_was_expected():
         cpu_step.attention(mx.zeros((1, 2, 1, 64)), rows, rows, 1.0)
     with pytest.raises(ValueError, match="expected key"):
         cpu_step.admit(s, mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 8)))
+    with pytest.raises(ValueError, match="proxy rows"):
+        cpu_step.attention(mx.zeros((1, 2, 1, 8)), s.keys, s.values, 1.0, mx.zeros((1, 2, 1, 4)))
+    with pytest.raises(ValueError, match="span at most C"):
+        cpu_step.settle_key(s, mx.zeros((1, 2, 1, s.scores.shape[-1] + 1)), cfg)
 
 
 def test_a_module_built_for_another_mlx_is_refused(tmp_path, monkeypatch):
@@ -148,19 +152,29 @@ def decode(model, cfg: H2OConfig, hooked: bool, kv_bits=None):
     return logits, [c.core_state for c in h2o_caches(cache)]
 
 
-@pytest.mark.parametrize("scoring, hooked, kv_bits", [("key", True, None), ("key", False, None),
-                                                      ("query", True, None), ("query", True, 8)])
-def test_a_models_decode_through_it_is_the_cores(scoring, hooked, kv_bits, monkeypatch):
+@pytest.mark.parametrize("scoring, hooked, kv_bits, wide", [
+    ("key", True, None, False), ("key", False, None, False), ("key", True, None, True), ("key", True, 8, True),
+    ("query", True, None, False), ("query", True, 8, False)])
+def test_a_models_decode_through_it_is_the_cores(scoring, hooked, kv_bits, wide, monkeypatch):
     """mlx-lm's decode loop with the adapter: the C++ ops (the key step; query's admit, attention
-    and settle; 8-bit rows: attention and settle) and the core's mlx ops give the same logits,
-    kept positions and scores, bit for bit."""
+    and settle; 8-bit rows: attention and settle; key-scored tokens the key step does not take,
+    `wide`: as for views above cpu_step.UP_TO, the attention with the proxy's rows and the settle
+    by their logits) and the core's mlx ops give the same logits, kept positions and scores, bit
+    for bit."""
+    from h2o_fn.adapters import attention
     from h2o_fn.adapters.attention import remove_query_hook
     from tiny_models import tiny_model
 
     model = tiny_model("llama", hidden_size=128)  # head_dim 32: one group of 8-bit codes per row
     cfg = H2OConfig(budget=12, n_sink=1, grace=2, scoring=scoring)
+    if wide:  # the paths of views wider than these thresholds, at this model's size
+        monkeypatch.setattr(cpu_step, "UP_TO", 0)
+        monkeypatch.setattr(attention, "FUSED_UP_TO", 0)
     calls = {}
-    ops = ["key_step"] if scoring == "key" else ["attention", "settle"] + ([] if kv_bits else ["admit"])
+    if scoring == "key":
+        ops = ["attention", "settle_key"] if wide else ["key_step"]
+    else:
+        ops = ["attention", "settle"] + ([] if kv_bits else ["admit"])
     for name in ops:
         op = getattr(cpu_step, name)
         monkeypatch.setattr(cpu_step, name, lambda *a, op=op, name=name: (calls.setdefault(name, []).append(1), op(*a))[1])
@@ -200,15 +214,40 @@ def test_a_weights_settle_is_the_cores(seed, C, n_sink, grace, decay, odd):
 
 
 @settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**30), C=st.sampled_from([9, 65, 258, 1400]), n_sink=st.integers(0, 3),
+       grace=st.integers(0, 4), decay=st.sampled_from([1.0, 0.9]), narrow=st.booleans(), odd=st.booleans())
+def test_a_key_settle_by_logits_is_the_cores(seed, C, n_sink, grace, decay, narrow, odd):
+    """`cpu_step.settle_key` (a key-scored token whose proxy logits attention computed) against
+    `core.settle_key` with those logits over the view, bit for bit: logits over every slot or
+    the first few (0 beyond), odd ones (NaN, huge) included, states within mx.softmax's size
+    (`exact`) and above it (C=1400: h2o_fn.softmax's exp)."""
+    from h2o_fn.view import decode_weights
+
+    cfg = H2OConfig(budget=C - 1, n_sink=n_sink, grace=grace, decay=decay, scoring="key")
+    kv = mx.random.normal((2, 3, C + 5, 8), key=mx.random.key(seed))
+    k = mx.random.normal((2, 3, 1, 8), key=mx.random.key(seed + 1))
+    admitted = admit(absorb(init(cfg, 2, 3, 8), kv, kv, cfg), k, k)
+    logits = mx.random.normal((2, 3, 1, C // 2 if narrow else C), key=mx.random.key(seed + 3)) * 4
+    if odd:
+        logits = mx.where(logits > 7, mx.nan, mx.where(logits < -7, 1e30, logits))
+    assert cpu_step.exact(admitted) == (C < 1400)
+    got = cpu_step.settle_key(admitted, logits, cfg)
+    want = settle_key(admitted, k, cfg, logits=decode_weights(logits, admitted))
+    for name in ("scores", "positions", "length", "seen"):
+        assert mx.array_equal(getattr(got, name), getattr(want, name)).item(), name
+
+
+@settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**30), dtype=st.sampled_from([mx.float16, mx.bfloat16, mx.float32]),
        shape=st.sampled_from([(1, 9, 3, 257, 64), (2, 4, 2, 33, 16), (1, 2, 2, 1, 8), (2, 6, 1, 130, 32),
                               (1, 6, 3, 2049, 16)]),
-       sliced=st.booleans(), big=st.booleans(), q8=st.booleans())
-def test_one_querys_attention_is_the_hooks(seed, dtype, shape, sliced, big, q8):
+       sliced=st.booleans(), big=st.booleans(), q8=st.booleans(), proxy=st.booleans())
+def test_one_querys_attention_is_the_hooks(seed, dtype, shape, sliced, big, q8, proxy):
     """`cpu_step.attention` against `attention_with_weights` then `per_kv_head`, bit for bit
     (output and weights), keys and values as a store's first L rows or on their own, dense or
-    8-bit (one group per row), logits large enough that most weights underflow (`big`)."""
-    from h2o_fn.adapters.attention import attention_with_weights, per_kv_head
+    8-bit (one group per row), logits large enough that most weights underflow (`big`); with
+    the key proxy's rows, against `attention_with_proxy` (output and the rows' logits)."""
+    from h2o_fn.adapters.attention import attention_with_proxy, attention_with_weights, per_kv_head
 
     B, Hq, H, L, D = shape
     q = (mx.random.normal((B, Hq, 1, D), key=mx.random.key(seed)) * (30 if big else 1)).astype(dtype)
@@ -218,6 +257,13 @@ def test_one_querys_attention_is_the_hooks(seed, dtype, shape, sliced, big, q8):
     else:
         q8, k, v = False, kv[0, :, :, :L], kv[1, :, :, :L]
     assert cpu_step.attends(q, k, v, 8 if q8 else None)
+    if proxy:
+        rows = mx.random.normal((B, H, 1, D), key=mx.random.key(seed + 2)) * D ** -0.5
+        out, _, logits = cpu_step.attention(q, k, v, D ** -0.5, rows)
+        want, wl = attention_with_proxy(q, k, v, D ** -0.5, None, rows, 8 if q8 else None, D)
+        assert out.dtype == want.dtype and mx.array_equal(out, want).item()
+        assert mx.array_equal(logits, wl).item()
+        return
     out, w = cpu_step.attention(q, k, v, D ** -0.5)
     want, ww = attention_with_weights(q, k, v, D ** -0.5, bits=8 if q8 else None, group_size=D)
     assert out.dtype == want.dtype and mx.array_equal(out, want).item()
