@@ -94,6 +94,7 @@ void put_row(array& store, const array& row, int b, int h, int c) {
 
 void store_copy(const array& in, array& out) {
   switch (in.dtype()) {
+    case uint32: return copy_store<uint32_t>(in, out);
     case float16: return copy_store<float16_t>(in, out);
     case bfloat16: return copy_store<bfloat16_t>(in, out);
     default: return copy_store<float>(in, out);
@@ -102,6 +103,12 @@ void store_copy(const array& in, array& out) {
 
 void store_row(array& store, const array& row, int b, int h, int c) {
   switch (store.dtype()) {
+    case uint32: {  // mx.quantize's packed codes, as they are
+      int H = store.shape(1), C = store.shape(2), D = store.shape(3);
+      uint32_t* dst = store.data<uint32_t>() + ((static_cast<int64_t>(b) * H + h) * C + c) * D;
+      for (int d = 0; d < D; ++d) dst[d] = row.data<uint32_t>()[at(row, b, h, 0, d)];
+      return;
+    }
     case float16: return put_row<float16_t>(store, row, b, h, c);
     case bfloat16: return put_row<bfloat16_t>(store, row, b, h, c);
     default: return put_row<float>(store, row, b, h, c);
@@ -863,27 +870,36 @@ std::vector<array> attention_q8(const array& queries, const array& kp, const arr
   return attended({queries, kp, ks, kb, vp, vs, vb}, vp.shape(3) * 4, scale, rows);
 }
 
-std::vector<array> admit_rows(const array& keys, const array& values, const array& positions, const array& length,
-                              const array& seen, const array& key, const array& value) {
+// stores: the keys' and the values' arrays (one each, or mx.quantize's three each), rows: the token's
+// rows as each store holds them ([B, H, 1, *]; float rows are cast, packed codes copied)
+std::vector<array> admit_rows(const std::vector<array>& stores, const array& positions, const array& length,
+                              const array& seen, const std::vector<array>& rows) {
   auto fl = [](const array& a) { return a.dtype() == float16 || a.dtype() == bfloat16 || a.dtype() == float32; };
-  need(keys.ndim() == 4 && values.ndim() == 4 && positions.ndim() == 3, "expected keys, values [B, H, C, D], positions [B, H, C]");
+  need(positions.ndim() == 3, "expected positions [B, H, C]");
   int B = positions.shape(0), H = positions.shape(1), C = positions.shape(2);
-  need(keys.shape(0) == B && keys.shape(1) == H && keys.shape(2) == C && values.shape(0) == B &&
-           values.shape(1) == H && values.shape(2) == C,
-       "keys, values and positions disagree on [B, H, C]");
-  need(key.shape() == Shape{B, H, 1, keys.shape(3)} && value.shape() == Shape{B, H, 1, values.shape(3)},
-       "expected key [B, H, 1, Dk] and value [B, H, 1, Dv]");
+  need(stores.size() == rows.size() && (stores.size() == 2 || stores.size() == 6),
+       "expected the keys' and values' stores (1 or 3 arrays each) and as many rows");
+  for (size_t i = 0; i < stores.size(); ++i) {
+    const array& st = stores[i];
+    const array& rw = rows[i];
+    need(st.ndim() == 4 && st.shape(0) == B && st.shape(1) == H && st.shape(2) == C,
+         "stores and positions disagree on [B, H, C]");
+    need(rw.shape() == Shape{B, H, 1, st.shape(3)}, "expected key [B, H, 1, Dk] and value [B, H, 1, Dv]");
+    need((fl(st) && fl(rw)) || (st.dtype() == uint32 && rw.dtype() == uint32),
+         "expected float stores and rows, or uint32 codes both");
+  }
   need(length.shape() == Shape{B} && seen.shape() == Shape{B}, "expected length and seen [B]");
-  need(fl(keys) && fl(values) && fl(key) && fl(value) && positions.dtype() == int32 && length.dtype() == int32 &&
-           seen.dtype() == int32,
-       "expected float stores and rows, int32 positions, length and seen");
+  need(positions.dtype() == int32 && length.dtype() == int32 && seen.dtype() == int32,
+       "expected int32 positions, length and seen");
   Stream cpu_stream = default_stream(Device::cpu);
-  auto write = [&](const array& store, const array& row) {
-    return array(store.shape(), store.dtype(), std::make_shared<H2OWriteRow>(cpu_stream), {store, positions, row});
-  };
+  std::vector<array> out;
+  for (size_t i = 0; i < stores.size(); ++i)
+    out.push_back(array(stores[i].shape(), stores[i].dtype(), std::make_shared<H2OWriteRow>(cpu_stream),
+                        {stores[i], positions, rows[i]}));
   auto counts = array::make_arrays({positions.shape(), length.shape(), seen.shape()}, {int32, int32, int32},
                                    std::make_shared<H2OAdmitCounts>(cpu_stream), {positions, length, seen});
-  return {write(keys, key), write(values, value), counts[0], counts[1], counts[2]};
+  out.insert(out.end(), counts.begin(), counts.end());
+  return out;
 }
 
 }  // namespace
@@ -896,6 +912,6 @@ NB_MODULE(_h2o_cpu_step, m) {
         "(out [B, Hq, 1, Dv], weights [B, H, 1, L]) of one query per head, as attention_with_weights then per_kv_head");
   m.def("attention_q8", &attention_q8, "`attention` over 8-bit rows, one group per row");
   m.def("key_settle", &key_settle, "(scores, positions, length)' of an admitted state settled by its key proxy's logits");
-  m.def("admit_rows", &admit_rows, "(keys, values, positions, length, seen)' after admitting one token");
+  m.def("admit_rows", &admit_rows, "(the stores' arrays..., positions, length, seen)' after admitting one token");
   m.def("weight_settle", &weight_settle, "(scores, positions, length)' of an admitted state settled by its weights");
 }

@@ -53,7 +53,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from h2o_fn import H2OConfig, Policy, rule, storage
+from h2o_fn import H2OConfig, Policy, arrays, rule, storage
 from h2o_fn.softmax import MLX_UP_TO
 from h2o_fn.state import H2OState
 
@@ -153,20 +153,29 @@ def settle(admitted: H2OState, weights: mx.array, config: H2OConfig) -> H2OState
 
 
 def admits(policy: Policy) -> bool:
-    """Whether a decode token that every row takes is admitted through `admit`: `native` and
-    dense rows."""
-    return policy.kv.bits is None and native(policy)
+    """Whether a decode token that every row takes is admitted through `admit`: `native`, rows
+    dense or quantized."""
+    return native(policy)
 
 
-def admit(state: H2OState, key: mx.array, value: mx.array) -> H2OState:
-    """`core.admit(state, key, value)` (dense rows, every batch row taking the token) as three
-    primitives, bit for bit: the key and value rows `[B, H, 1, D]` written into each (b, h)'s
-    first free slot (in place when nothing else holds the store), its position, the counts."""
-    if storage.is_quantized(state.keys):
-        raise ValueError("admit takes dense rows: got quantized rows")
-    keys, values, positions, length, seen = module().admit_rows(
-        state.keys, state.values, state.positions, state.length, state.seen, key, value)
-    return state._replace(keys=keys, values=values, positions=positions, length=length, seen=seen)
+def admit(state: H2OState, key: mx.array, value: mx.array, kv: storage.Storage = storage.DENSE) -> H2OState:
+    """`core.admit(state, key, value, kv)` (every batch row taking the token) as three
+    primitives (dense rows) or eight (quantized: the rows' two mx.quantize, six writes), bit for
+    bit: the key and value rows `[B, H, 1, D]` (as the stores hold them) written into each (b,
+    h)'s first free slot (in place when nothing else holds the store), its position, the counts."""
+    if storage.is_quantized(state.keys) != (kv.bits is not None):
+        raise ValueError(f"admit got {'quantized' if storage.is_quantized(state.keys) else 'dense'} rows with "
+                         f"kv.bits={kv.bits}: expected quantized rows exactly when kv.bits is set")
+    if kv.bits is None:  # the C++ write casts them, as the core's astype does
+        rows = [key, value]
+    else:
+        rows = [r for x, like in ((key, state.keys), (value, state.values))
+                for r in storage.parts(arrays.stored_rows(x, like, kv))]
+    out = module().admit_rows([*storage.parts(state.keys), *storage.parts(state.values)], state.positions,
+                              state.length, state.seen, rows)
+    n = len(storage.parts(state.keys))
+    keys, values = (tuple(out[i:i + n]) if n > 1 else out[i] for i in (0, n))
+    return state._replace(keys=keys, values=values, positions=out[-3], length=out[-2], seen=out[-1])
 
 
 def attends(queries: mx.array, keys, values, bits: Optional[int] = None) -> bool:

@@ -172,9 +172,9 @@ def test_a_models_decode_through_it_is_the_cores(scoring, hooked, kv_bits, wide,
         monkeypatch.setattr(attention, "FUSED_UP_TO", 0)
     calls = {}
     if scoring == "key":
-        ops = ["attention", "settle_key"] if wide else ["key_step"]
+        ops = ["admit", "attention", "settle_key"] if wide else ["key_step"]
     else:
-        ops = ["attention", "settle"] + ([] if kv_bits else ["admit"])
+        ops = ["admit", "attention", "settle"]
     for name in ops:
         op = getattr(cpu_step, name)
         monkeypatch.setattr(cpu_step, name, lambda *a, op=op, name=name: (calls.setdefault(name, []).append(1), op(*a))[1])
@@ -270,18 +270,26 @@ def test_one_querys_attention_is_the_hooks(seed, dtype, shape, sliced, big, q8, 
     assert mx.array_equal(w, per_kv_head(ww, H)).item()
 
 
-@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
-def test_an_admit_is_the_cores(dtype):
+@pytest.mark.parametrize("dtype, bits", [(mx.float16, None), (mx.bfloat16, None), (mx.float32, None),
+                                         (mx.float16, 8), (mx.float32, 8), (mx.float32, 4)])
+def test_an_admit_is_the_cores(dtype, bits):
     """`cpu_step.admit` against `core.admit` over a query-scored decode (each token settled by
-    random weights), every field bit for bit, the rows written in place when nothing holds them."""
+    random weights), every field bit for bit (quantized rows: each of the stores' arrays), the
+    rows written in place when nothing holds them."""
     from h2o_fn import settle
+    from h2o_fn.storage import DENSE, Storage, parts
 
     cfg = H2OConfig(budget=16, n_sink=2, grace=3, scoring="query")
-    s = mine = init(cfg, 2, 3, 8, dtype=dtype)
+    kv = DENSE if bits is None else Storage(bits=bits, group_size=32)
+    D = 8 if bits is None else 64
+    s = mine = init(cfg, 2, 3, D, dtype=dtype, kv=kv)
     for t in range(40):
-        k, v = (mx.random.normal((2, 3, 1, 8), key=mx.random.key(2 * t + i)) for i in (0, 1))  # float32 rows
-        a, b = cpu_step.admit(mine, k, v), admit(s, k, v)
-        assert_same(a, b)
+        k, v = (mx.random.normal((2, 3, 1, D), key=mx.random.key(2 * t + i)) for i in (0, 1))  # float32 rows
+        a, b = cpu_step.admit(mine, k, v, kv), admit(s, k, v, kv)
+        for name in ("keys", "values"):
+            assert all(mx.array_equal(x, y).item() for x, y in zip(parts(getattr(a, name)), parts(getattr(b, name))))
+        for name in ("scores", "positions", "length", "seen"):
+            assert mx.array_equal(getattr(a, name), getattr(b, name)).item(), name
         w = mx.random.uniform(shape=(2, 3, 17), key=mx.random.key(100 + t))
         mine, s = settle(a, w, cfg), settle(b, w, cfg)
     big = H2OConfig(budget=256, scoring="query")
