@@ -160,7 +160,7 @@ def admits(policy: Policy) -> bool:
 
 def admit(state: H2OState, key: mx.array, value: mx.array, kv: storage.Storage = storage.DENSE) -> H2OState:
     """`core.admit(state, key, value, kv)` (every batch row taking the token) as three
-    primitives (dense rows) or eight (quantized: the rows' two mx.quantize, six writes), bit for
+    primitives (dense rows) or nine (quantized: the rows' two mx.quantize, six writes), bit for
     bit: the key and value rows `[B, H, 1, D]` (as the stores hold them) written into each (b,
     h)'s first free slot (in place when nothing else holds the store), its position, the counts."""
     if storage.is_quantized(state.keys) != (kv.bits is not None):
