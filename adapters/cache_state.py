@@ -152,7 +152,7 @@ def view_head_mask(s: CacheState, span: int, N: int) -> mx.array:
 
 def _decode(s, policy, keys, values, span, alive):
     # the view reads the written row; three C++ primitives where built (`cpu_step.admit`), else compiled mlx ops
-    admitted = cpu_step.admit(s.core, keys, values, policy.kv) if alive is None and cpu_step.admits(policy) else \
+    admitted = cpu_step.admit(s.core, keys, values, policy.kv) if alive is None and cpu_step.native(policy) else \
         policy.admit(s.core, keys, values, alive)
     key = keys if policy.config.scoring == "key" else None  # the proxy: from the hook, else `settle_proxy`
     # the core moves on to the admitted state: nothing holds the state before it, so MLX writes

@@ -393,7 +393,7 @@ class H2OKeySettle : public Primitive {
 // None): their `visible_softmax` over the slots (0 logits beyond span), scores <- decay * scores + w.
 class H2OWeightSettle : public Primitive {
  public:
-  H2OWeightSettle(Stream s, Knobs knobs, int logits = 0) : Primitive(s), knobs_(knobs), logits_(logits) {}
+  H2OWeightSettle(Stream s, Knobs knobs, int logits) : Primitive(s), knobs_(knobs), logits_(logits) {}
 
   void eval_cpu(const std::vector<array>& in, std::vector<array>& out) override {
     for (auto& o : out) o.set_data(allocator::malloc(o.nbytes()));
@@ -415,8 +415,8 @@ class H2OWeightSettle : public Primitive {
               const int32_t* p = ps.data<int32_t>() + at(ps, b, h, 0);
               const float* w = wt.data<float>() + at(wt, b, h, 0);
               int64_t ss = sc.strides(2), pst = ps.strides(2), ws = wt.strides(2);
+              for (int c = 0; c < C; ++c) pr[c] = p[c * pst];
               if (logits) {
-                for (int c = 0; c < C; ++c) pr[c] = p[c * pst];
                 int span = wt.shape(3);
                 for (int c = 0; c < C; ++c) kw[c] = c < span ? wt.data<float>()[at(wt, b, h, 0, c)] : 0.0f;
                 visible_softmax(kw.data(), pr, newest, C, logits == 1);
@@ -428,7 +428,6 @@ class H2OWeightSettle : public Primitive {
                 continue;
               }
               for (int c = 0; c < C; ++c) {
-                pr[c] = p[c * pst];
                 float x = w[c * ws], decayed = kn.decay * s[c * ss];
                 float clean = (x > 0.0f && x < inf) ? x : 0.0f;
                 sr[c] = pr[c] >= 0 ? decayed + clean : 0.0f;
@@ -473,7 +472,7 @@ inline float exp_nonpositive(float x) {
 
 // x[i] <- exp_nonpositive(x[i] - top) for n floats: the same operations 8 lanes at a time where the
 // CPU has AVX2 (asked at run time; no FMA, as the scalar one: the same bits for every float, checked
-// over all 2^32 inputs at three tops)
+// over all 2^32 inputs at three tops, scratch)
 #if defined(__x86_64__)
 __attribute__((target("avx2"))) void exp_shifted_avx2(float* x, int64_t n, float top) {
   const __m256 t = _mm256_set1_ps(top), low = _mm256_set1_ps(static_cast<float>(-87.3)),
@@ -785,20 +784,27 @@ std::vector<array> key_step(const array& keys, const array& values, const array&
   return {k2, write(values, value, {rest[2]}), rest[0], rest[1], rest[2], rest[3]};
 }
 
+// the H2OWeightSettle arrays (scores', positions', length') of an admitted state settled by `by`, its
+// weights [B, H, C] (logits 0) or its key proxy's logits [B, H, 1, span] (logits 1 or 2)
+std::vector<array> settled(const array& scores, const array& positions, const array& length, const array& seen,
+                           const array& by, float decay, int n_sink, int grace, int budget, int logits) {
+  need(scores.ndim() == 3 && positions.shape() == scores.shape(), "expected scores and positions [B, H, C]");
+  need(length.shape() == Shape{scores.shape(0)} && seen.shape() == Shape{scores.shape(0)},
+       "expected length and seen [B]");
+  need(scores.dtype() == float32 && by.dtype() == float32 && positions.dtype() == int32 &&
+           length.dtype() == int32 && seen.dtype() == int32,
+       "expected float32 scores and weights or logits, int32 positions, length and seen");
+  return array::make_arrays({scores.shape(), positions.shape(), length.shape()}, {float32, int32, int32},
+                            std::make_shared<H2OWeightSettle>(default_stream(Device::cpu),
+                                                              Knobs{decay, 1.0f, n_sink, grace, budget}, logits),
+                            {scores, positions, length, seen, by});
+}
+
 std::vector<array> weight_settle(const array& scores, const array& positions, const array& length,
                                  const array& seen, const array& weights, float decay, int n_sink, int grace,
                                  int budget) {
-  need(scores.ndim() == 3 && positions.shape() == scores.shape() && weights.shape() == scores.shape(),
-       "expected scores, positions and weights [B, H, C]");
-  need(length.shape() == Shape{scores.shape(0)} && seen.shape() == Shape{scores.shape(0)},
-       "expected length and seen [B]");
-  need(scores.dtype() == float32 && weights.dtype() == float32 && positions.dtype() == int32 &&
-           length.dtype() == int32 && seen.dtype() == int32,
-       "expected float32 scores and weights, int32 positions, length and seen");
-  return array::make_arrays({scores.shape(), positions.shape(), length.shape()}, {float32, int32, int32},
-                            std::make_shared<H2OWeightSettle>(default_stream(Device::cpu),
-                                                              Knobs{decay, 1.0f, n_sink, grace, budget}),
-                            {scores, positions, length, seen, weights});
+  need(weights.shape() == scores.shape(), "expected scores, positions and weights [B, H, C]");
+  return settled(scores, positions, length, seen, weights, decay, n_sink, grace, budget, 0);
 }
 
 // the H2OAttend arrays of `in` (queries, keys and values as one or three arrays each), with the
@@ -823,20 +829,10 @@ std::vector<array> attended(std::vector<array> in, int Dv, float scale, const st
 
 std::vector<array> key_settle(const array& scores, const array& positions, const array& length, const array& seen,
                               const array& logits, float decay, int n_sink, int grace, int budget, bool mlx_softmax) {
-  need(scores.ndim() == 3 && positions.shape() == scores.shape(), "expected scores and positions [B, H, C]");
-  need(logits.ndim() == 4 && logits.shape(0) == scores.shape(0) && logits.shape(1) == scores.shape(1) &&
-           logits.shape(2) == 1 && logits.shape(3) <= scores.shape(2),
+  need(scores.ndim() == 3 && logits.ndim() == 4 && logits.shape(0) == scores.shape(0) &&
+           logits.shape(1) == scores.shape(1) && logits.shape(2) == 1 && logits.shape(3) <= scores.shape(2),
        "expected logits [B, H, 1, span] with span at most C");
-  need(length.shape() == Shape{scores.shape(0)} && seen.shape() == Shape{scores.shape(0)},
-       "expected length and seen [B]");
-  need(scores.dtype() == float32 && logits.dtype() == float32 && positions.dtype() == int32 &&
-           length.dtype() == int32 && seen.dtype() == int32,
-       "expected float32 scores and logits, int32 positions, length and seen");
-  return array::make_arrays({scores.shape(), positions.shape(), length.shape()}, {float32, int32, int32},
-                            std::make_shared<H2OWeightSettle>(default_stream(Device::cpu),
-                                                              Knobs{decay, 1.0f, n_sink, grace, budget},
-                                                              mlx_softmax ? 1 : 2),
-                            {scores, positions, length, seen, logits});
+  return settled(scores, positions, length, seen, logits, decay, n_sink, grace, budget, mlx_softmax ? 1 : 2);
 }
 
 std::vector<array> attention(const array& queries, const array& keys, const array& values, float scale,

@@ -138,7 +138,7 @@ def exact(state: H2OState) -> bool:
 def native(policy: Policy) -> bool:
     """Whether a cache of this policy takes the C++ ops (`admit`, `attention`, `settle`): built,
     on the CPU, and the rule's own eviction (not a custom `argmin`, such as the bench's mx-ops
-    rows); any scoring and row storage (`admits` asks dense rows)."""
+    rows); any scoring and row storage."""
     return policy.argmin in (rule.protected_argmin, evict.protected_argmin) and available()
 
 
@@ -150,12 +150,6 @@ def settle(admitted: H2OState, weights: mx.array, config: H2OConfig) -> H2OState
         admitted.scores, admitted.positions, admitted.length, admitted.seen, weights.astype(mx.float32),
         config.decay, config.n_sink, config.grace, config.budget)
     return admitted._replace(scores=scores, positions=positions, length=length)
-
-
-def admits(policy: Policy) -> bool:
-    """Whether a decode token that every row takes is admitted through `admit`: `native`, rows
-    dense or quantized."""
-    return native(policy)
 
 
 def admit(state: H2OState, key: mx.array, value: mx.array, kv: storage.Storage = storage.DENSE) -> H2OState:
