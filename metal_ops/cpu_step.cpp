@@ -712,6 +712,56 @@ class H2OAttend : public Primitive {
   float scale_;
 };
 
+// The key proxy's query of an admitted token read back from 8-bit rows with one group per row
+// and float32 scales: each (b, h)'s row at the slot holding position seen[b] - 1, as
+// h2o_fn.storage.dense then h2o_fn.scoring.proxy_rows make it: float(code) * s + b, times `scale`,
+// each op rounded in turn (NaN where no slot holds it).
+// Inputs: packed [B, H, C, D / 4] uint32, scales, biases [B, H, C, 1], positions [B, H, C], seen [B];
+// output [B, H, 1, D] float32.
+class H2ONewestRow : public Primitive {
+ public:
+  H2ONewestRow(Stream s, float scale) : Primitive(s), scale_(scale) {}
+
+  void eval_cpu(const std::vector<array>& in, std::vector<array>& out) override {
+    out[0].set_data(allocator::malloc(out[0].nbytes()));
+    encode(stream(), in, out);
+    cpu::get_command_encoder(stream()).dispatch(
+        [kp = weak(in[0]), ks = weak(in[1]), kb = weak(in[2]), ps = weak(in[3]), se = weak(in[4]),
+         o = weak(out[0]), sc = scale_]() mutable {
+          int B = kp.shape(0), H = kp.shape(1), C = kp.shape(2), D = kp.shape(3) * 4;
+          for (int b = 0; b < B; ++b) {
+            int32_t newest = se.data<int32_t>()[b * se.strides(0)] - 1;
+            for (int h = 0; h < H; ++h) {
+              float* row = o.data<float>() + (static_cast<int64_t>(b) * H + h) * D;
+              const int32_t* p = ps.data<int32_t>() + at(ps, b, h, 0);
+              int c = 0;
+              while (c < C && p[c * ps.strides(2)] != newest) ++c;
+              if (c == C) {
+                std::fill(row, row + D, std::numeric_limits<float>::quiet_NaN());
+                continue;
+              }
+              const uint8_t* codes = reinterpret_cast<const uint8_t*>(kp.data<uint32_t>() + at(kp, b, h, c));
+              float s = ks.data<float>()[at(ks, b, h, c, 0)], bias = kb.data<float>()[at(kb, b, h, c, 0)];
+              for (int d = 0; d < D; ++d) {
+                float x = static_cast<float>(codes[d]) * s;
+                x = x + bias;
+                row[d] = x * sc;
+              }
+            }
+          }
+        });
+  }
+
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("H2ONewestRow runs on the CPU only");
+  }
+
+  const char* name() const override { return "H2ONewestRow"; }
+
+ private:
+  float scale_;
+};
+
 // h2o_fn.core.admit's positions and counts for one token that every batch row takes: the first
 // free slot of each (b, h) (slot 0 when none is) at position seen[b]; length and seen grow by one.
 // Inputs: positions [B, H, C], length, seen [B]; outputs: positions', length', seen'.
@@ -898,6 +948,21 @@ std::vector<array> admit_rows(const std::vector<array>& stores, const array& pos
   return out;
 }
 
+array newest_row(const array& kp, const array& ks, const array& kb, const array& positions, const array& seen,
+                 float scale) {
+  need(kp.ndim() == 4 && positions.ndim() == 3 && kp.shape(0) == positions.shape(0) &&
+           kp.shape(1) == positions.shape(1) && kp.shape(2) == positions.shape(2),
+       "expected packed codes [B, H, C, D / 4] and positions [B, H, C]");
+  Shape one{kp.shape(0), kp.shape(1), kp.shape(2), 1};
+  need(kp.dtype() == uint32 && kp.strides(3) == 1 && ks.shape() == one && kb.shape() == one &&
+           ks.dtype() == float32 && kb.dtype() == float32,
+       "expected uint32 codes with contiguous rows, float32 scales and biases [B, H, C, 1] (one group per row)");
+  need(positions.dtype() == int32 && seen.dtype() == int32 && seen.shape() == Shape{kp.shape(0)},
+       "expected int32 positions and seen [B]");
+  return array({kp.shape(0), kp.shape(1), 1, kp.shape(3) * 4}, float32,
+               std::make_shared<H2ONewestRow>(default_stream(Device::cpu), scale), {kp, ks, kb, positions, seen});
+}
+
 }  // namespace
 
 NB_MODULE(_h2o_cpu_step, m) {
@@ -909,5 +974,6 @@ NB_MODULE(_h2o_cpu_step, m) {
   m.def("attention_q8", &attention_q8, "`attention` over 8-bit rows, one group per row");
   m.def("key_settle", &key_settle, "(scores, positions, length)' of an admitted state settled by its key proxy's logits");
   m.def("admit_rows", &admit_rows, "(the stores' arrays..., positions, length, seen)' after admitting one token");
+  m.def("newest_row", &newest_row, "[B, H, 1, D] float32: the key proxy's query read back from 8-bit rows");
   m.def("weight_settle", &weight_settle, "(scores, positions, length)' of an admitted state settled by its weights");
 }

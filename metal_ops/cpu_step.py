@@ -20,7 +20,8 @@ replayed operation for operation; dense rows, or 8-bit ones with one group per r
 (`core.settle`: the weights decay-added, one eviction). `native(policy)` says whether a cache
 takes them (the bench's mx-ops rows do not). A key-scored token that `key_step` does not take
 (8-bit rows, or more than `UP_TO` slots) has the hook's attention hand over its proxy's logits:
-`attention` with the proxy's rows gives them from its own product, `settle_key` settles by them.
+`attention` with the proxy's rows gives them from its own product, `settle_key` settles by them;
+8-bit rows' proxy query is read back from the slot `admit` wrote (`newest_row`).
 
 `make setup` runs `python -m h2o_fn.metal_ops.cpu_step`, which builds it with cmake, g++ and
 nanobind (the version and domain mlx's own module was built with) into this environment's
@@ -170,6 +171,26 @@ def admit(state: H2OState, key: mx.array, value: mx.array, kv: storage.Storage =
     n = len(storage.parts(state.keys))
     keys, values = (tuple(out[i:i + n]) if n > 1 else out[i] for i in (0, n))
     return state._replace(keys=keys, values=values, positions=out[-3], length=out[-2], seen=out[-1])
+
+
+def reads_back(state: H2OState, kv: storage.Storage) -> bool:
+    """Whether `newest_row` takes this admitted state: built, on the CPU, 8-bit rows with one group
+    per row and float32 scales (what `storage.dense` computes in float32)."""
+    if kv.bits != 8 or not storage.is_quantized(state.keys):
+        return False
+    packed, scales, _ = state.keys
+    return scales.shape[-1] == 1 and scales.dtype == mx.float32 and kv.group_size == packed.shape[-1] * 4 \
+        and available()
+
+
+def newest_row(admitted: H2OState) -> mx.array:
+    """`view.proxy_query(admitted, key, kv)` for the token `admit` just wrote, read back from its
+    slot as one primitive instead of a second quantize and a dequantize (~10): the key proxy's
+    query `[B, H, 1, D]` float32, bit for bit (`storage.dense`'s float(code) * s + b, times
+    1/sqrt(D)). 8-bit rows as `reads_back` says; every batch row took the token."""
+    packed, scales, biases = admitted.keys
+    D = packed.shape[-1] * 4
+    return module().newest_row(packed, scales, biases, admitted.positions, admitted.seen, D ** -0.5)
 
 
 def attends(queries: mx.array, keys, values, bits: Optional[int] = None) -> bool:

@@ -172,7 +172,7 @@ def test_a_models_decode_through_it_is_the_cores(scoring, hooked, kv_bits, wide,
         monkeypatch.setattr(attention, "FUSED_UP_TO", 0)
     calls = {}
     if scoring == "key":
-        ops = ["admit", "attention", "settle_key"] if wide else ["key_step"]
+        ops = (["admit", "attention", "settle_key"] + (["newest_row"] if kv_bits else [])) if wide else ["key_step"]
     else:
         ops = ["admit", "attention", "settle"]
     for name in ops:
@@ -302,3 +302,24 @@ def test_an_admit_is_the_cores(dtype, bits):
         s = cpu_step.settle(cpu_step.admit(s, k, k), mx.zeros((1, 3, 257)), big)  # the old state: held by the graph only
         mx.eval(s)
     assert mx.get_peak_memory() - held < s.keys.nbytes // 2  # no second store
+
+
+@pytest.mark.parametrize("B, C, full", [(1, 5, False), (2, 9, True), (3, 40, False)])
+def test_the_newest_row_read_back_is_the_proxys_query(B, C, full):
+    """`cpu_step.newest_row` of an admitted 8-bit state against `view.proxy_query` (the key
+    quantized again, dequantized, scaled), bit for bit, wherever admit put it (the first free
+    slot; slot 0 of a full state)."""
+    from h2o_fn.storage import Storage
+    from h2o_fn.view import proxy_query
+
+    kv = Storage(bits=8, group_size=64)
+    cfg = H2OConfig(budget=C, n_sink=1, grace=1, scoring="key")
+    s = init(cfg, B, 3, 64, dtype=mx.float32, kv=kv)
+    for t in range(C + 3 if full else C // 2):
+        k = 3 * mx.random.normal((B, 3, 1, 64), key=mx.random.key(t))
+        a = cpu_step.admit(s, k, k, kv)
+        assert cpu_step.reads_back(a, kv)
+        assert mx.array_equal(cpu_step.newest_row(a), proxy_query(a, k, kv)).item()
+        s = settle_key(a, k, cfg, kv=kv) if not full else a
+    assert not cpu_step.reads_back(a, Storage(bits=4, group_size=64))
+    assert not cpu_step.reads_back(init(cfg, B, 3, 64, dtype=mx.float16, kv=kv), kv)  # float16 scales: mlx ops
