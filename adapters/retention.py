@@ -4,12 +4,15 @@ The prompt (a document, a system prompt, a conversation so far) is read chunk by
 For each chunk every layer holds its kept rows plus the chunk, nothing evicted, while
 the model makes two passes:
 
-1. the chunk itself (its keys and values, attending to the kept rows and itself);
+1. the chunk itself (its keys and values, attending to the kept rows and itself), and each
+   token's surprisal under the model's own next-token logits (`read`: made a slice of tokens
+   at a time, never for the whole chunk at once);
 2. a repeat pass: an optional instruction (`repeat_prefix`, e.g. "Repeat the previous
    context") and the chunk again, teacher-forced. Its attention weights over the kept
    rows and the chunk are collected explicitly (the attention hook) and scored by
    `h2o_fn.retention` (KVzip's rule: the largest weight any repeat query pays a key),
-   optionally pooled over the chunk (`pool`: a kept token keeps its neighbours).
+   optionally pooled over the chunk (`pool`: a kept token keeps its neighbours), then
+   weighed by the surprisals (`surprisal`: what the model could not predict is kept first).
    The repeat tokens' own keys and values are thrown away.
 
 Both passes attend a slice of queries at a time (`weights_per_slice`: the hook's
@@ -55,6 +58,8 @@ BUDGETS = ("auto", "global", "layer", "uniform")
 LAYER_FROM = 0.25  # "auto": per layer once a head's budget is this share of the tokens read (BENCHMARKS)
 TAIL = 32  # with budgets="global": new tokens each head takes after the prompt before evicting again
 POOL = 1  # no pooling of the repeat pass's scores: 5 lost the natural-text key at 256 (BENCHMARKS, "Natural text")
+# each chunk token's score times 1 + SURPRISAL * its surprisal over the chunk's mean (`retention.weigh`)
+SURPRISAL = 10.0
 
 
 def repeat_prefix(tokenizer) -> List[int]:
@@ -71,8 +76,9 @@ class ScoringPass:
     weights_reduce = "none"  # the hook hands the weights of every query head: KVzip takes the max
     weights_per_slice = SLICE  # the hook attends a slice of queries at a time (memory: BENCHMARKS, peak)
 
-    def __init__(self, cache: H2OKVCache, pool: int = POOL):
-        self.cache, self.pool = cache, pool
+    def __init__(self, cache: H2OKVCache, pool: int = POOL, surprisal: float = SURPRISAL):
+        self.cache, self.pool, self.surprisal = cache, pool, surprisal
+        self.surprisals = None  # [B, N] the chunk tokens' surprisals (`score_chunk`), when surprisal > 0
         cache.compact()
         s = cache.layer_state
         self.span = max(s.lengths, default=0)  # the kept rows (and reserved slots) are the first `span` slots
@@ -149,7 +155,10 @@ class ScoringPass:
         if self.scores is None:
             raise RuntimeError("the repeat pass never handed its attention weights to this layer: "
                                "its attention does not go through mlx_lm's scaled_dot_product_attention")
-        return retention.pool(self.scores, self.pool, self.span)
+        scores = retention.pool(self.scores, self.pool, self.span)
+        if self.surprisals is None:
+            return scores
+        return retention.weigh(scores, self.surprisals, self.surprisal, self.span)
 
 
 def _layers(cache: Sequence[Any]) -> List[Any]:
@@ -202,7 +211,8 @@ def absorb_passes(passes: List[ScoringPass], budgets: str, tail: int, cap: Optio
 
 def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], *,
                  repeat_prefix: Sequence[int] = (), chunk_size: int = CHUNK, budgets: str = "auto",
-                 tail: int = TAIL, cap: Optional[int] = None, pool: int = POOL) -> List[Any]:
+                 tail: int = TAIL, cap: Optional[int] = None, pool: int = POOL,
+                 surprisal: float = SURPRISAL) -> List[Any]:
     """Feed `prompt_ids` into `cache` (from `make_h2o_cache`) scored for questions not yet
     asked: afterwards every H2O layer and head holds at most its budget.
 
@@ -229,6 +239,9 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
         1, the default: KVzip's scores as they are), so that kept tokens keep their
         neighbours. 5 found the natural-text key in 0.42 / 0.50 of prompts at 16% / 32%
         kept against 0.45 / 0.68 (BENCHMARKS, "Natural text").
+      surprisal: each chunk token's score times `1 + surprisal * s / mean(s)`, s its surprisal
+        under the model reading it (`h2o_fn.retention.weigh`): what the model could not predict
+        is kept first. 0: KVzip's scores as they are (and the logits are never made).
 
     Returns `cache`, for chaining. Costs about two prefills (the repeat pass attends over
     the kept rows and the chunk and materialises its weights, SLICE floats at a time).
@@ -244,10 +257,12 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
         raise ValueError(f"tail={tail} is invalid: expected >= 1 (slots for the tokens after the prompt)")
     if pool < 1 or pool % 2 == 0:
         raise ValueError(f"pool={pool} is invalid: expected an odd number >= 1 (1: no pooling)")
+    if not surprisal >= 0:
+        raise ValueError(f"surprisal={surprisal} is invalid: expected >= 0 (0: scores as they are)")
     layers = _layers(cache)
     budgets = spread_for(layers, len(ids), budgets)
     for start in range(0, len(ids), chunk_size):
-        passes = score_chunk(model, ids[start : start + chunk_size], layers, repeat_prefix, pool)
+        passes = score_chunk(model, ids[start : start + chunk_size], layers, repeat_prefix, pool, surprisal)
         absorb_passes(passes, budgets, tail, cap)
         mx.eval([c.state for c in layers])
     return cache
@@ -263,8 +278,46 @@ def spread_for(layers: Sequence[Any], n: int, budgets: str = "auto") -> str:
     return "layer" if all(c.target_budget >= LAYER_FROM * (c.tokens_seen + n) for c in h2o) else "global"
 
 
+def _body_and_head(model: nn.Module):
+    """`(body, head, vocabulary)` where mlx-lm's layout names them (`model.model`, then `lm_head` or
+    the tied embeddings): the hidden states, then the logits of a few of them at a time; else None."""
+    body = getattr(model, "model", None)
+    if body is None:
+        return None
+    if isinstance(getattr(model, "lm_head", None), nn.Module) and hasattr(model.lm_head, "weight"):
+        return body, model.lm_head, model.lm_head.weight.shape[0]
+    if getattr(getattr(model, "args", None), "tie_word_embeddings", False) and hasattr(body, "embed_tokens"):
+        return body, body.embed_tokens.as_linear, body.embed_tokens.weight.shape[0]
+    return None
+
+
+def read(model: nn.Module, ids: mx.array, cache: List[Any], surprisals: bool) -> Optional[mx.array]:
+    """The chunk `ids` `[1, N]` through `cache`; with `surprisals`, each token's surprisal `[1, N]`
+    under the model reading it (`retention.surprisal`; the first token's prediction is the
+    previous chunk's: NaN, which `weigh` counts as the mean). The logits are made SLICE floats at
+    a time where the model's head is known (`_body_and_head`), else all at once; without
+    `surprisals` the head never runs (None)."""
+    if not surprisals:
+        model(ids, cache=cache)
+        return None
+    split = _body_and_head(model)
+    if split is None:
+        return mx.concatenate([mx.full((1, 1), mx.nan), retention.surprisal(model(ids, cache=cache)[:, :-1], ids[:, 1:])],
+                              axis=1)
+    body, head, V = split
+    hidden = body(ids, cache=cache)
+    N = ids.shape[1]
+    out = [mx.full((1, 1), mx.nan)]
+    step = max(SLICE // V, 1)
+    for a in range(0, N - 1, step):
+        b = min(a + step, N - 1)
+        out.append(retention.surprisal(head(hidden[:, a:b]), ids[:, a + 1 : b + 1]))
+        mx.eval(out[-1])
+    return mx.concatenate(out, axis=1)
+
+
 def score_chunk(model: nn.Module, chunk: Sequence[int], layers: List[Any],
-                repeat_prefix: Sequence[int] = (), pool: int = POOL) -> List[ScoringPass]:
+                repeat_prefix: Sequence[int] = (), pool: int = POOL, surprisal: float = SURPRISAL) -> List[ScoringPass]:
     """`cache_prompt`'s two passes over one chunk: the layers that are not H2O take it as
     usual; each H2O layer's `ScoringPass` holds the chunk's keys and values and the repeat
     pass's scores, nothing absorbed yet (`ScoringPass.absorb`, or `select_across` for
@@ -272,10 +325,13 @@ def score_chunk(model: nn.Module, chunk: Sequence[int], layers: List[Any],
     prefix = [int(t) for t in repeat_prefix]
     chunk = [int(t) for t in chunk]
     with query_scoring(model):
-        probes = [ScoringPass(c, pool) if isinstance(c, H2OKVCache) else c for c in layers]
-        model(mx.array(chunk)[None], cache=probes)
+        probes = [ScoringPass(c, pool, surprisal) if isinstance(c, H2OKVCache) else c for c in layers]
+        surprisals = read(model, mx.array(chunk)[None], probes, surprisal > 0)
         mx.eval([p.chunk for p in probes if isinstance(p, ScoringPass)],
                 [c.state for c in layers if not isinstance(c, H2OKVCache)])
+        for p in probes:
+            if isinstance(p, ScoringPass):
+                p.surprisals = surprisals
         scratch = [p if isinstance(p, ScoringPass) else copy.deepcopy(p) for p in probes]
         model(mx.array(prefix + chunk)[None], cache=scratch)
     return [p for p in probes if isinstance(p, ScoringPass)]

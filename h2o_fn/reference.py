@@ -314,6 +314,34 @@ def pool(scores, window: int, start: int = 0) -> np.ndarray:
     return out
 
 
+def surprisal(logits, targets) -> np.ndarray:
+    """`[B, N]`: -log of the softmax of logits[b, i] at targets[b, i]."""
+    logits = np.asarray(logits, np.float64)
+    B, N, _ = logits.shape
+    out = np.zeros((B, N))
+    for b in range(B):
+        for i in range(N):
+            row = logits[b, i]
+            top = row.max()
+            out[b, i] = top + np.log(np.exp(row - top).sum()) - row[targets[b][i]]
+    return out
+
+
+def weigh(scores, surprisals, weight: float, start: int = 0) -> np.ndarray:
+    """`[B, H, L]`: from `start` on, score * (1 + weight * s / m), s the token's surprisal (a NaN
+    one: m), m the mean of the row's known ones (1 when it is 0)."""
+    scores = np.asarray(scores, np.float64)
+    surprisals = np.asarray(surprisals, np.float64)
+    out = scores.copy()
+    for b in range(scores.shape[0]):
+        known = [x for x in surprisals[b] if not np.isnan(x)]
+        m = sum(known) / len(known) if known else 0.0
+        for i, x in enumerate(surprisals[b]):
+            x = m if np.isnan(x) else x
+            out[b, :, start + i] = scores[b, :, start + i] * (1 + weight * x / (m if m > 0 else 1.0))
+    return out
+
+
 def chunk_scores(state: RefState, scores, span=None) -> List[List[dict]]:
     """New scores by position per (b, h): `scores[b, h, p]` for the chunk's positions
     (p >= seen[b]), max(old score, scores[b, h, p]) for a kept token at position p."""

@@ -15,6 +15,11 @@ the pure parts, with twins of the same names in `h2o_fn.reference`:
 - `pool`: each chunk token's score raised to the largest of its neighbours' (a window of
   `window` tokens centred on it), so that a kept token keeps the tokens around it (an
   option of `cache_prompt`, off by default: BENCHMARKS, "Natural text");
+- `surprisal`: the first pass's logits -> each chunk token's surprisal (-log p, nats);
+- `weigh`: each chunk token's score times `1 + weight * s / mean(s)` (s its surprisal): a
+  token the model could not predict from what came before (a code, a name, a number) carries
+  what a compressed cache cannot rebuild, so it is kept before the predictable text around it
+  (Selective Context's self-information, Li et al., 2023, as a prior on KVzip's scores);
 - `chunk_scores`: those scores over (kept rows, chunk) -> the core's `[B, H, C + N]`
   layout for `absorb_scored`, raising each kept token's score to its new one (max).
 
@@ -67,6 +72,45 @@ def pool(scores: mx.array, window: int, start: int = 0) -> mx.array:
     chunk = mx.pad(scores[..., start:], [(0, 0), (0, 0), (r, r)], constant_values=-mx.inf)
     pooled = mx.max(mx.stack([chunk[..., i : i + N] for i in range(2 * r + 1)]), axis=0)
     return mx.concatenate([scores[..., :start], pooled], axis=-1)
+
+
+def surprisal(logits: mx.array, targets: mx.array) -> mx.array:
+    """Logits `[B, N, V]` and the tokens they predict `[B, N]` -> `[B, N]` float32: each
+    target's surprisal, -log softmax(logits)[target], in nats.
+
+    >>> [round(x, 4) for x in surprisal(mx.array([[[0.0, 0.0], [9.0, -9.0]]]), mx.array([[1, 0]]))[0].tolist()]
+    [0.6931, 0.0]
+    """
+    if logits.shape[:2] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} are invalid: "
+                         "expected [B, N, V] and [B, N]")
+    x = logits.astype(mx.float32)
+    return mx.logsumexp(x, axis=-1) - mx.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
+
+
+def weigh(scores: mx.array, surprisals: mx.array, weight: float, start: int = 0) -> mx.array:
+    """Scores `[B, H, L]` -> `[B, H, L]`: from `start` on (the chunk), each times
+    `1 + weight * s / mean(s)`, s its token's surprisal `[B, L - start]` (NaN: the row's mean,
+    a token nothing predicted) and the mean over the row's chunk; the first `start` (kept rows,
+    weighed when their chunk was) as they are. `weight` 0: unchanged.
+
+    >>> weigh(mx.array([[[0.5, 0.5, 0.5]]]), mx.array([[1.0, 3.0]]), 1.0, start=1).tolist()
+    [[[0.5, 0.75, 1.25]]]
+    """
+    N = scores.shape[-1] - start
+    if weight < 0 or not 0 <= start <= scores.shape[-1]:
+        raise ValueError(f"weight={weight}, start={start} are invalid for {scores.shape[-1]} scores: "
+                         f"expected weight >= 0 and start in 0..{scores.shape[-1]}")
+    if surprisals.shape != (scores.shape[0], N):
+        raise ValueError(f"surprisals {tuple(surprisals.shape)} are invalid: expected ({scores.shape[0]}, {N})")
+    if weight == 0 or N == 0:
+        return scores
+    s = surprisals.astype(mx.float32)
+    known = ~mx.isnan(s)
+    mean = mx.sum(mx.where(known, s, 0.0), axis=-1, keepdims=True) / mx.maximum(mx.sum(known, axis=-1, keepdims=True), 1)
+    s = mx.where(known, s, mean)
+    factor = 1 + weight * s / mx.where(mean > 0, mean, 1.0)  # [B, N]; a row predicted perfectly: 1 + weight * 0
+    return mx.concatenate([scores[..., :start], scores[..., start:] * factor[:, None]], axis=-1)
 
 
 def chunk_scores(state: H2OState, scores: mx.array, span: int) -> mx.array:

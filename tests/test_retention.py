@@ -41,6 +41,39 @@ def test_pool_equals_its_reference_twin(B, H, L, window, data):
     assert (got >= s).all() and (got[..., :start] == s[..., :start]).all()
 
 
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 2), N=st.integers(1, 6), V=st.integers(2, 7), seed=st.integers(0, 2**16))
+def test_surprisal_equals_its_reference_twin(B, N, V, seed):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(B, N, V)) * 4
+    targets = rng.integers(0, V, size=(B, N))
+    got = retention.surprisal(mx.array(logits, dtype=mx.float32), mx.array(targets))
+    np.testing.assert_allclose(np.array(got), ref.surprisal(np.float32(logits), targets), rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 2), H=st.integers(1, 3), L=st.integers(1, 9), weight=st.sampled_from([0.0, 0.5, 3.0]),
+       data=st.data())
+def test_weigh_equals_its_reference_twin(B, H, L, weight, data):
+    start = data.draw(st.integers(0, L))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    scores = rng.uniform(size=(B, H, L)).astype(np.float32)
+    s = rng.exponential(size=(B, L - start)).astype(np.float32)
+    s[rng.uniform(size=s.shape) < 0.2] = np.nan  # tokens nothing predicted
+    if data.draw(st.booleans()):
+        s[0] = 0.0  # a row predicted perfectly
+    got = np.array(retention.weigh(mx.array(scores), mx.array(s), weight, start))
+    np.testing.assert_allclose(got, ref.weigh(scores, s, weight, start), rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(got[..., :start], scores[..., :start])
+
+
+def test_weigh_rejects_a_negative_weight_and_surprisals_of_another_chunk():
+    with pytest.raises(ValueError, match="weight=-1"):
+        retention.weigh(mx.zeros((1, 1, 3)), mx.zeros((1, 3)), -1.0)
+    with pytest.raises(ValueError, match=r"expected \(1, 2\)"):
+        retention.weigh(mx.zeros((1, 1, 3)), mx.zeros((1, 3)), 1.0, start=1)
+
+
 def test_pool_rejects_an_even_window_and_a_start_past_the_scores():
     with pytest.raises(ValueError, match="window=4 is invalid: expected an odd number"):
         retention.pool(mx.zeros((1, 1, 5)), 4)
@@ -241,7 +274,7 @@ def test_auto_spreads_per_layer_from_a_quarter_of_the_prompt_kept(llama):
 def test_a_cap_bounds_every_head_and_so_every_layers_slots(llama):
     """cap=: no head keeps more than cap tokens, the total is still kept (the others take
     the rest), and each layer's budget (its slots per head) is at most cap + tail."""
-    cfg, tail, cap = H2OConfig(budget=12, n_sink=1, grace=2), 4, 14
+    cfg, tail, cap = H2OConfig(budget=12, n_sink=1, grace=2), 4, 13
     free, capped = make_h2o_cache(llama, cfg), make_h2o_cache(llama, cfg)
     cache_prompt(llama, PROMPT, free, chunk_size=64, tail=tail, budgets="global")
     cache_prompt(llama, PROMPT, capped, chunk_size=64, tail=tail, cap=cap, budgets="global")
@@ -342,15 +375,54 @@ def test_each_chunks_scores_are_pooled_before_the_selection(llama, monkeypatch, 
     """cache_prompt(pool=5) keeps what an unpooled pass keeps once its chunk scores (not the
     kept rows' before them) are pooled by the reference; pool=1 is KVzip's scores as they are."""
     cfg = H2OConfig(budget=12, n_sink=1, grace=2)
-    pooled = cache_prompt(llama, PROMPT, make_h2o_cache(llama, cfg), chunk_size=16, budgets=budgets, pool=5)
-    raw = cache_prompt(llama, PROMPT, make_h2o_cache(llama, cfg), chunk_size=16, budgets=budgets, pool=1)
+    kw = dict(chunk_size=16, budgets=budgets, surprisal=0)
+    pooled = cache_prompt(llama, PROMPT, make_h2o_cache(llama, cfg), pool=5, **kw)
+    raw = cache_prompt(llama, PROMPT, make_h2o_cache(llama, cfg), pool=1, **kw)
     original = ScoringPass._scores
     monkeypatch.setattr(ScoringPass, "_scores", lambda p: mx.array(ref.pool(
         np.array(original(p)), 5, p.span).astype(np.float32)))
-    by_hand = cache_prompt(llama, PROMPT, make_h2o_cache(llama, cfg), chunk_size=16, budgets=budgets, pool=1)
+    by_hand = cache_prompt(llama, PROMPT, make_h2o_cache(llama, cfg), pool=1, **kw)
     kept = [[kept_positions(c.core_state) for c in cache] for cache in (pooled, raw, by_hand)]
     assert all(mx.array_equal(a, b) for a, b in zip(kept[0], kept[2]))
     assert not all(mx.array_equal(a, b) for a, b in zip(kept[0], kept[1]))
+
+
+@pytest.mark.parametrize("budgets", ["global", "uniform"])
+def test_each_chunks_scores_are_weighed_by_surprisal(llama, monkeypatch, budgets):
+    """cache_prompt(surprisal=3) keeps what the reference's `weigh` of each chunk's scores by
+    its tokens' surprisals keeps, and not what KVzip's scores alone keep (surprisal=0)."""
+    cfg = H2OConfig(budget=12, n_sink=1, grace=2)
+    weighed = cache_prompt(llama, PROMPT, make_h2o_cache(llama, cfg), chunk_size=16, budgets=budgets, surprisal=3)
+    plain = cache_prompt(llama, PROMPT, make_h2o_cache(llama, cfg), chunk_size=16, budgets=budgets, surprisal=0)
+    seen = []
+    monkeypatch.setattr(ScoringPass, "_scores", lambda p: (seen.append(p.surprisals.shape), mx.array(ref.weigh(
+        np.array(p.scores), np.array(p.surprisals), p.surprisal, p.span).astype(np.float32)))[1])
+    by_hand = cache_prompt(llama, PROMPT, make_h2o_cache(llama, cfg), chunk_size=16, budgets=budgets, surprisal=3)
+    kept = [[kept_positions(c.core_state) for c in cache] for cache in (weighed, plain, by_hand)]
+    assert seen and all(shape[1] in (16, len(PROMPT) % 16) for shape in seen)
+    assert all(mx.array_equal(a, b) for a, b in zip(kept[0], kept[2]))
+    assert not all(mx.array_equal(a, b) for a, b in zip(kept[0], kept[1]))
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_the_first_pass_gives_the_models_surprisals(llama, monkeypatch, known):
+    """`read` gives each token's surprisal under the model's own logits (NaN for the first), made
+    a few rows at a time from the hidden states where the model's head is known, else from
+    the whole logits."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from h2o_fn.adapters import retention as adapter
+
+    ids = mx.array(PROMPT[:20])[None]
+    logits = llama(ids, cache=make_prompt_cache(llama))
+    want = ref.surprisal(np.array(logits[:, :-1]), np.array(ids[:, 1:]))
+    monkeypatch.setattr(adapter, "SLICE", 3 * logits.shape[-1])  # 3 rows a slice
+    model = llama if known else (lambda x, cache: llama(x, cache=cache))
+    assert (adapter._body_and_head(model) is not None) == known
+    got = np.array(adapter.read(model, ids, make_prompt_cache(llama), True))
+    assert got.shape == (1, 20) and np.isnan(got[0, 0])
+    np.testing.assert_allclose(got[:, 1:], want, rtol=1e-4, atol=1e-4)
+    assert adapter.read(model, ids, make_prompt_cache(llama), False) is None
 
 
 def test_continuing_a_cache_and_copies_per_question(llama):

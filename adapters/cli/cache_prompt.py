@@ -32,7 +32,7 @@ from ..attention import query_scoring
 from ..export import to_kvcache
 from ..mlx_lm import h2o_caches, keep_views, make_h2o_cache, shares_kv
 from ..metrics import describe_kept, kept_summary
-from ..retention import BUDGETS, CHUNK, POOL, TAIL, cache_prompt, repeat_prefix
+from ..retention import BUDGETS, CHUNK, POOL, SURPRISAL, TAIL, cache_prompt, repeat_prefix
 from . import common
 
 FORMAT = "h2o-fn compressed prompt cache 1"  # metadata["format"]: what generate checks first
@@ -64,6 +64,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeat-pool", type=int, default=POOL,
                         help="the repeat pass scores each prompt token at least as its neighbours within pool // 2 places, so "
                         f"kept tokens keep their neighbours (odd; 1: its scores as they are; default {POOL})")
+    parser.add_argument("--repeat-surprisal", type=float, default=SURPRISAL,
+                        help="each prompt token's score times 1 + this x its surprisal over the chunk's mean: what the "
+                        f"model could not predict is kept first (0: the repeat pass's scores as they are; default {SURPRISAL})")
     parser.add_argument("--kvcache", action="store_true",
                         help="save mlx-lm's plain KVCache instead (the kept keys re-rotated to consecutive "
                         "positions, h2o_fn.adapters.export): unmodified mlx_lm.generate --prompt-cache-file "
@@ -131,10 +134,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error(f"--tail {args.tail} is invalid: expected at least 1")
     if args.repeat_pool < 1 or args.repeat_pool % 2 == 0:
         parser.error(f"--repeat-pool {args.repeat_pool} is invalid: expected an odd number >= 1 (1: no pooling)")
+    if not args.repeat_surprisal >= 0:
+        parser.error(f"--repeat-surprisal {args.repeat_surprisal} is invalid: expected >= 0 (0: scores as they are)")
     with query_scoring(model):
         cache = make_h2o_cache(model, config, **options)
         cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(tokenizer), chunk_size=args.chunk_size,
-                     budgets=spread, tail=args.tail, pool=args.repeat_pool)
+                     budgets=spread, tail=args.tail, pool=args.repeat_pool,
+                     surprisal=args.repeat_surprisal)
     seconds = time.perf_counter() - start
     summary = kept_summary(h2o_caches(cache))
     if args.kvcache:

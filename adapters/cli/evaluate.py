@@ -42,7 +42,7 @@ from h2o_fn.allocation import POLICIES
 
 from ..attention import query_scoring
 from ..metrics import HAYSTACKS
-from ..retention import CHUNK, POOL
+from ..retention import CHUNK, POOL, SURPRISAL
 from . import common, plots
 from .quality import agree, frontier, kept_map, mass, passkey, peak, ppl, ruler, sweep
 from .quality.ruler_methods import METHODS as RULER_METHODS
@@ -103,6 +103,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help=f"prompt tokens per chunk of cache_prompt's repeat pass (default {CHUNK})")
     parser.add_argument("--repeat-pool", type=int, default=POOL,
                         help=f"cache_prompt's pooling of the repeat pass's scores, in tokens (odd; default {POOL}: none)")
+    parser.add_argument("--repeat-surprisal", type=float, default=SURPRISAL,
+                        help=f"cache_prompt's weight of each token's surprisal on its score (default {SURPRISAL}; 0: none)")
     parser.add_argument("--caches", nargs="+", choices=RETRIEVAL_FAMILIES, default=list(RETRIEVAL_FAMILIES),
                         help="cache families of retrieval and peak (the full cache always runs: the reference)")
     parser.add_argument("--facts", type=int, default=4, help="codes hidden in one context (at most 4)")

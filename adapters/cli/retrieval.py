@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from ..export import to_kvcache
 from ..metrics import greedy
-from ..retention import POOL, cache_prompt
+from ..retention import POOL, SURPRISAL, cache_prompt
 
 PROTOCOLS = ("aware", "agnostic")
 PREFILL_STEP = 2048  # generate_step's prefill step: the context is one chunk here
@@ -36,7 +36,8 @@ def compress(model, spec: dict, ids: Sequence[int], cache: list, repeat_prefix: 
     start = time.perf_counter()
     if spec["family"].startswith("repeat"):  # cache_prompt's rows (`quality.passkey.retrieval_specs`)
         cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix, chunk_size=spec["chunk"],
-                     budgets=spec.get("spread", "auto"), pool=spec.get("pool", POOL))
+                     budgets=spec.get("spread", "auto"), pool=spec.get("pool", POOL),
+                     surprisal=spec.get("surprisal", SURPRISAL))
         if spec["family"] == "repeat-kvcache":  # what unmodified mlx-lm would load (cache-prompt --kvcache)
             cache[:] = to_kvcache(model, cache)
     else:

@@ -22,7 +22,8 @@ def retrieval_specs(run: Run) -> List[dict]:
     for b in run.args.passkey_budgets:
         for family, name, spread in REPEAT_ROWS:
             spec = {"name": name.format(chunk=chunk), "family": family, "budget": b, "config": run.policy(b),
-                    "chunk": chunk, "pool": run.args.repeat_pool}
+                    "chunk": chunk, "pool": run.args.repeat_pool,
+                    "surprisal": run.args.repeat_surprisal}
             specs.append(spec if spread is None else {**spec, "spread": spread})
     return [s for s in specs if s["family"] == "full" or s["family"] in run.args.caches]
 

@@ -120,7 +120,8 @@ class _CachePrompt(Scored):
         cache = self._cache(model, 2)  # any budget: the passes evict nothing
         one = len(ids) <= self.run.args.repeat_chunk and all(isinstance(c, H2OKVCache) for c in cache)
         prefix = repeat_prefix(self.run.tokenizer)
-        return ids, score_chunk(model, ids, cache, prefix, self.run.args.repeat_pool) if one else None
+        return ids, score_chunk(model, ids, cache, prefix, self.run.args.repeat_pool,
+                                 self.run.args.repeat_surprisal) if one else None
 
     def select(self, model, handle, budget):
         ids, scored = handle  # scored: the ScoringPass of each layer, or None (cache_prompt per budget)
@@ -128,7 +129,7 @@ class _CachePrompt(Scored):
         if scored is None:
             return cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(self.run.tokenizer),
                                 chunk_size=self.run.args.repeat_chunk, budgets=self.budgets,
-                                pool=self.run.args.repeat_pool)
+                                pool=self.run.args.repeat_pool, surprisal=self.run.args.repeat_surprisal)
         absorb_passes([p.onto(c) for p, c in zip(scored, cache)], spread_for(cache, len(ids), self.budgets), TAIL)
         return cache
 
