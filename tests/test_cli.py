@@ -206,6 +206,19 @@ def test_generate_model_dir_kv_bits_and_kept_map(tiny_dir, tmp_path):
     assert picture.stat().st_size > 1000
 
 
+def test_eval_retrieval_without_facts_and_with_the_surprisal_off(tiny_dir, tmp_path):
+    """--facts-trials 0 leaves the facts section out (it used to crash on an empty list), and
+    --repeat-surprisal reaches the repeat rows' spec."""
+    h2o_fn("eval", "retrieval", "--model", tiny_dir, "--passkey-context", "40", "--passkey-budgets", "24",
+           "--trials", "1", "--facts-trials", "0", "--repeat-chunk", "16", "--repeat-surprisal", "0",
+           "--passkey-haystacks", "noise", "--protocols", "agnostic", "--caches", "repeat", "--no-openblas",
+           "--out", str(tmp_path))
+    retrieval = json.loads((tmp_path / "eval.json").read_text())["retrieval"]
+    assert "facts" not in retrieval
+    rows = retrieval["haystacks"]["noise"]["agnostic"]
+    assert [r["family"] for r in rows] == ["full", "repeat"] and rows[1]["surprisal"] == 0
+
+
 def test_generate_reports_a_missing_model_in_one_line(tmp_path):
     done = h2o_fn("generate", "--model", str(tmp_path / "nowhere"), expect=1)
     assert done.stderr.strip().startswith("h2o-fn generate: --model") and "Traceback" not in done.stderr

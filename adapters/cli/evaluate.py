@@ -108,7 +108,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--caches", nargs="+", choices=RETRIEVAL_FAMILIES, default=list(RETRIEVAL_FAMILIES),
                         help="cache families of retrieval and peak (the full cache always runs: the reference)")
     parser.add_argument("--facts", type=int, default=4, help="codes hidden in one context (at most 4)")
-    parser.add_argument("--facts-trials", type=int, default=3, help="contexts of several facts (default 3)")
+    parser.add_argument("--facts-trials", type=int, default=3, help="contexts of several facts (default 3; 0: none)")
     parser.add_argument("--peak-context", type=int, default=4096,
                         help="prompt tokens of the peak-memory measurement (default 4096)")
     parser.add_argument("--map-steps", type=int, default=200, help="decode steps of the kept-positions map")

@@ -81,10 +81,12 @@ def measure(run: Run) -> dict:
         print(f"haystack {haystack}", flush=True)
         haystacks[haystack] = {p: _passkey_rows(run, specs, p, cases, prefix) for p in args.protocols}
         context = len(cases[0][2])
-    full = [s for s in specs if s["family"] == "full"]
-    facts = _facts_rows(run, full + [s for s in specs if s["budget"] == max(args.passkey_budgets)], prefix)
-    return {"command": run.command, "context": context, "depths": args.depths, "trials": args.trials,
-            "haystacks": haystacks, "facts": facts}
+    out = {"command": run.command, "context": context, "depths": args.depths, "trials": args.trials,
+           "haystacks": haystacks}
+    if args.facts_trials > 0:  # --facts-trials 0: no facts section
+        full = [s for s in specs if s["family"] == "full"]
+        out["facts"] = _facts_rows(run, full + [s for s in specs if s["budget"] == max(args.passkey_budgets)], prefix)
+    return out
 
 
 HAYSTACK_TITLES = {
