@@ -300,18 +300,18 @@ def read(model: nn.Module, ids: mx.array, cache: List[Any], surprisals: bool) ->
     if not surprisals:
         model(ids, cache=cache)
         return None
-    split = _body_and_head(model)
-    if split is None:
-        return mx.concatenate([mx.full((1, 1), mx.nan), retention.surprisal(model(ids, cache=cache)[:, :-1], ids[:, 1:])],
-                              axis=1)
-    body, head, V = split
-    hidden = body(ids, cache=cache)
-    N = ids.shape[1]
+    N, split = ids.shape[1], _body_and_head(model)
+    if split is None:  # the whole logits at once
+        logits = model(ids, cache=cache)
+        logits_of, step = (lambda a, b: logits[:, a:b]), N
+    else:
+        body, head, V = split
+        hidden = body(ids, cache=cache)
+        logits_of, step = (lambda a, b: head(hidden[:, a:b])), max(SLICE // V, 1)
     out = [mx.full((1, 1), mx.nan)]
-    step = max(SLICE // V, 1)
     for a in range(0, N - 1, step):
         b = min(a + step, N - 1)
-        out.append(retention.surprisal(head(hidden[:, a:b]), ids[:, a + 1 : b + 1]))
+        out.append(retention.surprisal(logits_of(a, b), ids[:, a + 1 : b + 1]))
         mx.eval(out[-1])
     return mx.concatenate(out, axis=1)
 
