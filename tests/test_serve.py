@@ -977,7 +977,7 @@ class Stream:
 
 def test_a_long_prompt_is_read_between_other_requests_and_stops_when_its_client_leaves(reading):
     """A prompt past the budget is read in slices (8 tokens and the repeat pass, ~2-3 s each
-    with the 4-bit weights on 2 cores) between the other requests' steps: its streaming
+    with the 4-bit weights on 2 cores) beside the other requests' steps: its streaming
     client gets the status line and a keep-alive at once and one per slice, a short chat
     sent meanwhile is answered before the reading ends, and when the client leaves the
     server is idle once the slice being read ends."""

@@ -21,10 +21,13 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from pathlib import Path
+from queue import Queue
 from typing import Any, Deque, Dict, List, NamedTuple, Optional
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm import server as mlx_server
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
@@ -64,7 +67,7 @@ CHANGED = {
                            "counts what it really holds: its kept rows (packed with --kv-bits), their scores and "
                            "positions"),
     "prefill_step_size": (512, "prompt tokens read per step (default: 512; mlx-lm's is 2048): a long prompt is "
-                          "read between the other requests' decode steps in slices this long, and H2O's "
+                          "read in slices this long on a thread beside the other requests' decode steps, and H2O's "
                           "prompt scoring holds attention weights for one slice at a time; a client that "
                           "leaves stops its prompt's reading at the end of the slice"),
 }
@@ -507,19 +510,20 @@ class PromptReader:
 
 
 class H2OResponseGenerator(serve_compat.GuardedGenerator):
-    """The guarded generator that reads long prompts between the other requests' decode steps.
+    """The guarded generator that reads long prompts beside the other requests' decode steps.
 
     Each request is tokenized and looked up in the prompt cache as it arrives (`admit`).
     When `reader` plans a read (the prompt overflows the budget), the request waits in a
-    queue of readings; `work` reads one slice (`--prefill-step-size` tokens, one
-    `cache_prompt` call) per turn of mlx-lm's loop, oldest reading first, and while other
-    requests are decoding it reads only after they have had as long as the last slice
-    took (so their tokens come at least half as fast as alone). A streaming client gets
-    its status line and a keep-alive comment as soon as its reading is queued, then one
-    per slice read; a reading whose client left is dropped before its next slice. When
-    its head is read, the request goes to mlx-lm's loop with the cache and its tail
-    (`H2OPromptCache.hand_over`), and its usage counts as cached only what the prompt
-    cache held.
+    queue of readings, oldest first. Their slices (`--prefill-step-size` tokens, one
+    `cache_prompt` call each) are read one at a time on a thread of their own (MLX gives
+    each thread its own stream; the caches it reads into are evaluated before they cross
+    back), so mlx-lm's loop keeps decoding the other requests meanwhile instead of waiting
+    for a slice. `work`, called at each turn of that loop, collects a slice that ended and
+    starts the next. A streaming client gets its status line and a keep-alive comment as
+    soon as its reading is queued, then one per slice read; a reading whose client left is
+    dropped before its next slice. When its head is read, the request goes to mlx-lm's loop
+    with the cache and its tail (`H2OPromptCache.hand_over`), and its usage counts as cached
+    only what the prompt cache held.
     """
 
     def __init__(self, model_provider, prompt_cache: H2OPromptCache, max_prompt_tokens: Optional[int] = None,
@@ -527,16 +531,20 @@ class H2OResponseGenerator(serve_compat.GuardedGenerator):
         self.reader = reader
         self._readings: Deque[Reading] = deque()
         self._cached: Dict[int, int] = {}  # id(response queue) -> tokens the prompt cache held
-        self._resume_at = 0.0  # while others decode, the next slice waits until then
+        self._slice: Optional[Future] = None  # the slice of _readings[0] being read, True when it was the last
+        self._slices: "Queue[tuple]" = Queue()  # (reading, future) for the reading thread
+        self._reading_thread: Optional[threading.Thread] = None
         self.readings_dropped = 0
         super().__init__(model_provider, prompt_cache, max_prompt_tokens)
 
     def has_work(self) -> bool:
-        return bool(self._readings)
+        """Readings wait, and none is being read: mlx-lm's loop waits for requests meanwhile."""
+        return bool(self._readings) and (self._slice is None or self._slice.done())
 
     def forget_work(self) -> None:
         self._readings.clear()
         self._cached.clear()
+        self._slice = None  # a slice being read ends unseen
 
     def admit(self, item):
         rqueue, request, args = item
@@ -565,33 +573,49 @@ class H2OResponseGenerator(serve_compat.GuardedGenerator):
         return None
 
     def work(self, busy: bool):
+        if self._slice is not None:
+            if not self._slice.done():
+                return None
+            done, self._slice = self._slice, None
+            reading = self._readings[0]
+            try:
+                finished = done.result()
+            except Exception as e:  # noqa: BLE001 - this request fails, the others are served
+                log.error("reading a prompt failed (%s: %s): the request is answered with the error",
+                          type(e).__name__, e, exc_info=e)
+                self._readings.popleft()
+                self.forget_tokens(reading.item[1])
+                reading.item[0].put(e)
+                return None
+            for other in self._readings:  # one keep-alive per slice, to every reading waiting
+                other.item[0].put((other.done[0], len(other.head)))
+            if finished:
+                self._readings.popleft()
+                self._cached[id(reading.item[0])] = reading.cached
+                self.prompt_cache.hand_over(reading.prompt, reading.cache, reading.tail)
+                return reading.item
         while self._readings and self.left(self._readings[0].item[0]):
             reading = self._readings.popleft()
             self._drop(reading, f"the client left: its prompt's reading stopped after {reading.done[0]} of "
                        f"{len(reading.head)} tokens")
-        if not self._readings or (busy and time.monotonic() < self._resume_at):
-            return None
-        reading = self._readings[0]
-        start = time.monotonic()
-        try:
-            finished = self.reader.read(reading)
-        except Exception as e:  # noqa: BLE001 - this request fails, the others are served
-            log.exception("reading a prompt failed (%s: %s): the request is answered with the error",
-                          type(e).__name__, e)
-            self._readings.popleft()
-            self.forget_tokens(reading.item[1])
-            reading.item[0].put(e)
-            return None
-        now = time.monotonic()
-        self._resume_at = now + (now - start)
-        for other in self._readings:  # one keep-alive per slice, to every reading waiting
-            other.item[0].put((other.done[0], len(other.head)))
-        if not finished:
-            return None
-        self._readings.popleft()
-        self._cached[id(reading.item[0])] = reading.cached
-        self.prompt_cache.hand_over(reading.prompt, reading.cache, reading.tail)
-        return reading.item
+        if self._readings:
+            self._slice = Future()
+            self._slices.put((self._readings[0], self._slice))
+            if self._reading_thread is None:
+                self._reading_thread = threading.Thread(target=self._read_slices, name="h2o-reader", daemon=True)
+                self._reading_thread.start()
+        return None
+
+    def _read_slices(self) -> None:
+        """The reading thread: reads each slice it is given into its reading's cache."""
+        while True:
+            reading, done = self._slices.get()
+            try:
+                finished = self.reader.read(reading)
+                mx.eval([x for c in reading.cache for _, x in tree_flatten(c.state) if isinstance(x, mx.array)])
+                done.set_result(finished)
+            except BaseException as e:  # noqa: BLE001 - handed to the loop, which fails the request
+                done.set_exception(e)
 
     def _drop(self, reading: Reading, why: str) -> None:
         log.info("%s", why)
