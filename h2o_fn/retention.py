@@ -98,9 +98,9 @@ def weigh(scores: mx.array, surprisals: mx.array, weight: float, start: int = 0)
     [[[0.5, 0.75, 1.25]]]
     """
     N = scores.shape[-1] - start
-    if weight < 0 or not 0 <= start <= scores.shape[-1]:
+    if not 0 <= weight < float("inf") or not 0 <= start <= scores.shape[-1]:  # `not`: NaN is refused too
         raise ValueError(f"weight={weight}, start={start} are invalid for {scores.shape[-1]} scores: "
-                         f"expected weight >= 0 and start in 0..{scores.shape[-1]}")
+                         f"expected a finite weight >= 0 and start in 0..{scores.shape[-1]}")
     if surprisals.shape != (scores.shape[0], N):
         raise ValueError(f"surprisals {tuple(surprisals.shape)} are invalid: expected ({scores.shape[0]}, {N})")
     if weight == 0 or N == 0:

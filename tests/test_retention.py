@@ -67,9 +67,10 @@ def test_weigh_equals_its_reference_twin(B, H, L, weight, data):
     np.testing.assert_array_equal(got[..., :start], scores[..., :start])
 
 
-def test_weigh_rejects_a_negative_weight_and_surprisals_of_another_chunk():
-    with pytest.raises(ValueError, match="weight=-1"):
-        retention.weigh(mx.zeros((1, 1, 3)), mx.zeros((1, 3)), -1.0)
+def test_weigh_rejects_a_negative_or_nan_weight_and_surprisals_of_another_chunk():
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"weight={bad}"):
+            retention.weigh(mx.zeros((1, 1, 3)), mx.zeros((1, 3)), bad)
     with pytest.raises(ValueError, match=r"expected \(1, 2\)"):
         retention.weigh(mx.zeros((1, 1, 3)), mx.zeros((1, 3)), 1.0, start=1)
 
