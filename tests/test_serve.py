@@ -565,6 +565,39 @@ def _read_all(reader, cache, rest):
     return cache, tail, slices
 
 
+def test_a_prompt_read_on_another_thread_is_the_one_read_here():
+    """serve reads long prompts on a thread of its own (MLX gives each thread its own
+    stream): the cache that thread hands back holds what reading on the generation thread
+    would, and the generation thread feeds the tail into it."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    provider = _Provider(model, H2OConfig(budget=12, n_sink=1, grace=2), Prompt(window=6))
+    try:
+        reader = serve.PromptReader(provider, tail=6, slice_tokens=16)
+        doc = [(7 * i) % 101 for i in range(1, 41)]
+        here, rest, _ = _read_all(reader, None, doc)
+        there = {}
+        thread = threading.Thread(target=lambda: there.update(zip(("cache", "rest", "slices"),
+                                                                  _read_all(reader, None, doc))))
+        thread.start()
+        thread.join(REQUEST_S)
+        assert there["slices"] == 3 and there["rest"] == rest
+        for a, b in zip(here, there["cache"]):
+            for (name, x), (_, y) in zip(tree_flatten(a.state), tree_flatten(b.state), strict=True):
+                assert mx.array_equal(x, y) if isinstance(x, mx.array) else x == y, name
+        outs = [model(mx.array([rest]), cache=c)[0, -1] for c in (here, there["cache"])]
+        assert mx.array_equal(*outs)
+    finally:
+        from h2o_fn.adapters.attention import remove_query_hook
+
+        provider.undo()
+        remove_query_hook(model)
+
+
 def test_a_long_prompt_is_read_with_the_repeat_pass_and_its_entry_answers_the_next_turn():
     """The bulk of a prompt that overflows the budget goes through cache_prompt before the
     generator sees it (query-agnostic), one slice at a time; the question's last `tail`

@@ -470,7 +470,7 @@ class PromptReader:
     repeat pass and mlx-lm feeds only the tail (the question, scored by its own queries
     as usual). `read(reading)` reads the next `slice` tokens of the head (one
     `cache_prompt` call, `chunk_size=slice`: cache_prompt continues a cache that holds
-    tokens). What mlx-lm stores at the end of the request kept what a later question can
+    tokens), its cache evaluated (it may run on another thread). What mlx-lm stores at the end of the request kept what a later question can
     ask for, not only what this one asked.
     """
 
@@ -499,6 +499,8 @@ class PromptReader:
         # tail: each head takes the generator's tail (the question) after its selection before evicting
         cache_prompt(self.provider.model, part, reading.cache, repeat_prefix=repeat_prefix(self.provider.tokenizer),
                      chunk_size=self.slice, tail=self.tail)
+        # evaluated here: serve reads on a thread of its own, and MLX runs nothing lazy across threads
+        mx.eval([x for c in reading.cache for _, x in tree_flatten(c.state) if isinstance(x, mx.array)])
         reading.done[0] = done + len(part)
         if reading.done[0] < len(reading.head):
             return False
@@ -611,9 +613,7 @@ class H2OResponseGenerator(serve_compat.GuardedGenerator):
         while True:
             reading, done = self._slices.get()
             try:
-                finished = self.reader.read(reading)
-                mx.eval([x for c in reading.cache for _, x in tree_flatten(c.state) if isinstance(x, mx.array)])
-                done.set_result(finished)
+                done.set_result(self.reader.read(reading))
             except BaseException as e:  # noqa: BLE001 - handed to the loop, which fails the request
                 done.set_exception(e)
 
