@@ -470,8 +470,9 @@ class PromptReader:
     repeat pass and mlx-lm feeds only the tail (the question, scored by its own queries
     as usual). `read(reading)` reads the next `slice` tokens of the head (one
     `cache_prompt` call, `chunk_size=slice`: cache_prompt continues a cache that holds
-    tokens), its cache evaluated (it may run on another thread). What mlx-lm stores at the end of the request kept what a later question can
-    ask for, not only what this one asked.
+    tokens), its cache evaluated (it may run on another thread). What mlx-lm stores at
+    the end of the request kept what a later question can ask for, not only what this
+    one asked.
     """
 
     def __init__(self, provider: "H2OModelProvider", tail: int, slice_tokens: int = 512):
@@ -533,7 +534,7 @@ class H2OResponseGenerator(serve_compat.GuardedGenerator):
         self.reader = reader
         self._readings: Deque[Reading] = deque()
         self._cached: Dict[int, int] = {}  # id(response queue) -> tokens the prompt cache held
-        self._slice: Optional[Future] = None  # the slice of _readings[0] being read, True when it was the last
+        self._slice: Optional[Future] = None  # the slice of _readings[0] being read; its result: whether it was the last
         self._slices: "Queue[tuple]" = Queue()  # (reading, future) for the reading thread
         self._reading_thread: Optional[threading.Thread] = None
         self.readings_dropped = 0
