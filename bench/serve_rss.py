@@ -144,7 +144,8 @@ def interleave(args, flags):
               f"the prompt read in {end - sent:.1f} s (slices {slices} s); a short chat sent {args.delay:.0f} s "
               f"into the reading: first piece after {short[0] - short_sent:.1f} s, last {end - short[-1]:.1f} s "
               f"before the reading ended", flush=True)
-        _, _, alive, _ = stream(port, "/v1/completions", {"prompt": other, "max_tokens": 1}, leave_after=args.leave_after)
+        _, _, alive, _ = stream(port, "/v1/completions", {"prompt": other, "max_tokens": 1},
+                                leave_after=args.leave_after)
         left, before = time.perf_counter(), cpu_seconds(proc)
         samples = []
         while time.perf_counter() - left < args.idle_wait and (not samples or samples[-1] >= 0.1):
@@ -213,7 +214,8 @@ def main():
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--chat-tokens", type=int, default=128)
-    parser.add_argument("--delay", type=float, default=1.0, help="seconds from the chat to the long prompt, and from it to a short chat")
+    parser.add_argument("--delay", type=float, default=1.0,
+                        help="seconds from the chat to the long prompt, and from it to a short chat")
     parser.add_argument("--leave-after", type=int, default=3, help="keep-alives before the client leaves")
     parser.add_argument("--idle-wait", type=float, default=300.0)
     args, flags = parser.parse_known_args()

@@ -534,7 +534,7 @@ class H2OResponseGenerator(serve_compat.GuardedGenerator):
         self.reader = reader
         self._readings: Deque[Reading] = deque()
         self._cached: Dict[int, int] = {}  # id(response queue) -> tokens the prompt cache held
-        self._slice: Optional[Future] = None  # the slice of _readings[0] being read; its result: whether it was the last
+        self._slice: Optional[Future] = None  # _readings[0]'s slice being read; result: whether it was the last
         self._slices: "Queue[tuple]" = Queue()  # (reading, future) for the reading thread
         self._reading_thread: Optional[threading.Thread] = None
         self.readings_dropped = 0
