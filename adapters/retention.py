@@ -259,8 +259,8 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
         raise ValueError(f"tail={tail} is invalid: expected >= 1 (slots for the tokens after the prompt)")
     if pool < 1 or pool % 2 == 0:
         raise ValueError(f"pool={pool} is invalid: expected an odd number >= 1 (1: no pooling)")
-    if not surprisal >= 0:
-        raise ValueError(f"surprisal={surprisal} is invalid: expected >= 0 (0: scores as they are)")
+    if not 0 <= surprisal < float("inf"):  # as `retention.weigh`, before the passes: NaN and inf refused too
+        raise ValueError(f"surprisal={surprisal} is invalid: expected a finite number >= 0 (0: scores as they are)")
     layers = _layers(cache)
     budgets = spread_for(layers, len(ids), budgets)
     for start in range(0, len(ids), chunk_size):

@@ -448,6 +448,9 @@ def test_bad_input_raises_with_what_was_expected(llama):
         cache_prompt(llama, PROMPT, [KVCache() for _ in llama.layers])
     with pytest.raises(ValueError, match="pool=2 is invalid: expected an odd number"):
         cache_prompt(llama, PROMPT, make_h2o_cache(llama, H2OConfig(budget=8, n_sink=1, grace=2)), pool=2)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"surprisal={bad} is invalid: expected a finite number"):
+            cache_prompt(llama, PROMPT, make_h2o_cache(llama, H2OConfig(budget=8, n_sink=1, grace=2)), surprisal=bad)
 
 
 def test_a_compressed_prompt_cache_file_round_trips(tmp_path):

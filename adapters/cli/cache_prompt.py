@@ -134,8 +134,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error(f"--tail {args.tail} is invalid: expected at least 1")
     if args.repeat_pool < 1 or args.repeat_pool % 2 == 0:
         parser.error(f"--repeat-pool {args.repeat_pool} is invalid: expected an odd number >= 1 (1: no pooling)")
-    if not args.repeat_surprisal >= 0:
-        parser.error(f"--repeat-surprisal {args.repeat_surprisal} is invalid: expected >= 0 (0: scores as they are)")
+    if not 0 <= args.repeat_surprisal < float("inf"):
+        parser.error(f"--repeat-surprisal {args.repeat_surprisal} is invalid: expected a finite number >= 0 "
+                     "(0: scores as they are)")
     with query_scoring(model):
         cache = make_h2o_cache(model, config, **options)
         cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(tokenizer), chunk_size=args.chunk_size,
