@@ -266,7 +266,7 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
     for start in range(0, len(ids), chunk_size):
         passes = score_chunk(model, ids[start : start + chunk_size], layers, repeat_prefix, pool, surprisal)
         absorb_passes(passes, budgets, tail, cap)
-        mx.eval([c.state for c in layers])
+        mx.eval([c.state for c in layers])  # nothing lazy is left: serve hands the cache across threads
     return cache
 
 

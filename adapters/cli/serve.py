@@ -27,7 +27,6 @@ from queue import Queue
 from typing import Any, Deque, Dict, List, NamedTuple, Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from mlx_lm import server as mlx_server
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
@@ -470,9 +469,9 @@ class PromptReader:
     repeat pass and mlx-lm feeds only the tail (the question, scored by its own queries
     as usual). `read(reading)` reads the next `slice` tokens of the head (one
     `cache_prompt` call, `chunk_size=slice`: cache_prompt continues a cache that holds
-    tokens), its cache evaluated (it may run on another thread). What mlx-lm stores at
-    the end of the request kept what a later question can ask for, not only what this
-    one asked.
+    tokens), which leaves every layer's state evaluated (it may run on another thread:
+    nothing lazy crosses back). What mlx-lm stores at the end of the request kept what a
+    later question can ask for, not only what this one asked.
     """
 
     def __init__(self, provider: "H2OModelProvider", tail: int, slice_tokens: int = 512):
@@ -500,8 +499,6 @@ class PromptReader:
         # tail: each head takes the generator's tail (the question) after its selection before evicting
         cache_prompt(self.provider.model, part, reading.cache, repeat_prefix=repeat_prefix(self.provider.tokenizer),
                      chunk_size=self.slice, tail=self.tail)
-        # evaluated here: serve reads on a thread of its own, and MLX runs nothing lazy across threads
-        mx.eval([x for c in reading.cache for _, x in tree_flatten(c.state) if isinstance(x, mx.array)])
         reading.done[0] = done + len(part)
         if reading.done[0] < len(reading.head):
             return False
@@ -519,8 +516,7 @@ class H2OResponseGenerator(serve_compat.GuardedGenerator):
     When `reader` plans a read (the prompt overflows the budget), the request waits in a
     queue of readings, oldest first. Their slices (`--prefill-step-size` tokens, one
     `cache_prompt` call each) are read one at a time on a thread of their own (MLX gives
-    each thread its own stream; the caches it reads into are evaluated before they cross
-    back), so mlx-lm's loop keeps decoding the other requests meanwhile instead of waiting
+    each thread its own stream; `cache_prompt` leaves the caches it reads into evaluated), so mlx-lm's loop keeps decoding the other requests meanwhile instead of waiting
     for a slice. `work`, called at each turn of that loop, collects a slice that ended and
     starts the next. A streaming client gets its status line and a keep-alive comment as
     soon as its reading is queued, then one per slice read; a reading whose client left is
