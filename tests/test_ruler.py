@@ -210,7 +210,7 @@ def test_register_refuses_a_taken_name_and_a_non_method():
         ruler_methods.register("nope")(dict)
 
 
-def test_eval_ruler_on_a_tiny_model(tokenizer, counted, tmp_path):
+def test_eval_ruler_on_a_tiny_model(tokenizer, counted, tmp_path, capsys):
     import mlx.core as mx
     from mlx_lm.models import llama
     from mlx_lm.utils import save_config, save_model
@@ -225,7 +225,7 @@ def test_eval_ruler_on_a_tiny_model(tokenizer, counted, tmp_path):
     tokenizer._tokenizer.save_pretrained(model_dir)
     out = tmp_path / "out"
     evaluate.main(["ruler", "--model", str(model_dir), "--no-openblas", "--out", str(out),
-                   "--ruler-tasks", "vt", "--ruler-lengths", "768", "--ruler-samples", "1",
+                   "--ruler-tasks", "vt", "--ruler-lengths", "768", "--ruler-samples", "1", "--ruler-first-sample", "1",
                    "--ruler-ratios", "0.5", "--ruler-budgets", "24", "--repeat-chunk", "512",
                    "--ruler-methods", "cache_prompt", "h2o", "rotating", "test-scored"])
     r = json.loads((out / "eval.json").read_text())["ruler"]
@@ -248,3 +248,5 @@ def test_eval_ruler_on_a_tiny_model(tokenizer, counted, tmp_path):
     report = (out / "eval.md").read_text()
     assert report.index("query-agnostic (context") < report.index("query-aware (the question")
     assert "test: last tokens of one scoring pass" in report and "| 0.5 removed |" in report
+    assert r["first_sample"] == 1 and "1 samples per task (from index 1)" in report
+    assert "vt               sample 1:" in capsys.readouterr().out  # the second sample, alone

@@ -132,6 +132,8 @@ def add_ruler_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ruler-budgets", type=int, nargs="*", default=[],
                        help="fixed budgets, tokens per layer and KV head (default none)")
     group.add_argument("--ruler-samples", type=int, default=4, help="samples per task (default 4)")
+    group.add_argument("--ruler-first-sample", type=int, default=0,
+                       help="index of the first sample: a run of samples 2-3 adds to one of 0-1 (default 0)")
     group.add_argument("--ruler-methods", nargs="+", choices=list(RULER_METHODS), default=list(RULER_METHODS),
                        help="methods compared (quality/ruler_methods.py; the full cache always runs: the "
                        "reference) (default all)")

@@ -105,6 +105,8 @@ def check(run: Run) -> None:
         run.policy(b)  # the H2O config at b, or the argparse error naming why not
     if args.ruler_samples < 1:
         run.parser.error(f"--ruler-samples {args.ruler_samples} is invalid: expected >= 1")
+    if args.ruler_first_sample < 0:
+        run.parser.error(f"--ruler-first-sample {args.ruler_first_sample} is invalid: expected >= 0")
     if not args.ruler_ratios and not args.ruler_budgets:
         run.parser.error("eval ruler needs --ruler-ratios or --ruler-budgets: expected at least one")
 
@@ -114,7 +116,9 @@ def _cell(run: Run, methods: dict, length: int, haystack: Optional[str], task: s
     `{"samples": [...], "results": {(protocol, method, kind, value): [(score, budget, seconds, pred)]}}`."""
     args, model, tokenizer = run.args, run.model, run.tokenizer
     metric = METRICS[TASKS[task].family]
-    samples = [generate(tokenizer, task, length, i, haystack, args.ruler_template) for i in range(args.ruler_samples)]
+    first = args.ruler_first_sample
+    samples = [generate(tokenizer, task, length, i, haystack, args.ruler_template)
+               for i in range(first, first + args.ruler_samples)]
     results: Dict[tuple, list] = {}
     for s in samples:
         reference = None
@@ -177,6 +181,7 @@ def measure(run: Run) -> dict:
                     if name == "full" and protocol == args.protocols[0]:
                         predictions[f"{length}/{mode}/{task}"] = [g[3] for g in got]
     return {"command": run.command, "template": args.ruler_template, "samples": args.ruler_samples,
+            "first_sample": args.ruler_first_sample,
             "tasks": list(args.ruler_tasks), "lengths": list(args.ruler_lengths),
             "haystacks": list(args.ruler_haystacks), "protocols": list(args.protocols),
             "ratios": list(args.ruler_ratios), "budgets": list(args.ruler_budgets),
@@ -233,7 +238,9 @@ def render(r: dict) -> List[str]:
                 tasks, informative = r["tasks"], set(rows[0]["informative"])
                 full = next(t for t in rows if t["kind"] == "full")
                 dead = [t for t in tasks if t not in informative]
-                notes = [f"{r['samples']} samples per task, template {r['template']}; haystack {haystack} "
+                first = r.get("first_sample", 0)
+                notes = [f"{r['samples']} samples per task (from index {first}), template {r['template']}; "
+                         f"haystack {haystack} "
                          f"({'each task as RULER defines it' if haystack == 'ruler' else 'instead of RULER filler'}"
                          "). Scores: RULER's string_match_all, percent. kept/head: mean tokens kept per layer "
                          "and KV head (a ratio r keeps round((1 - r) n) of the n read). vs full: the mean's gap "
