@@ -2,6 +2,7 @@
 their reference twins, and `cache_prompt` (the adapter's two passes) on tiny models."""
 
 import copy
+from fractions import Fraction
 
 import mlx.core as mx
 import numpy as np
@@ -258,18 +259,22 @@ def test_budgets_per_layer_keep_each_layers_total_spread_over_its_heads(llama, c
     assert _next_logits(llama, cache, [5, 6]).shape == (1, 101)
 
 
-def test_auto_spreads_per_layer_from_a_quarter_of_the_prompt_kept(llama):
+def test_auto_spreads_per_layer_from_layer_from_of_the_prompt_kept(llama):
     """budgets="auto" (the default): "layer" while each head's budget is at least LAYER_FROM
     of the tokens read, counting those the cache already holds; "global" below."""
-    cfg = H2OConfig(budget=12, n_sink=1, grace=2)
+    cfg = H2OConfig(budget=20, n_sink=1, grace=2)
     cache = make_h2o_cache(llama, cfg)
     edge = int(cfg.budget / LAYER_FROM)
     assert spread_for(cache, edge) == "layer" and spread_for(cache, edge + 1) == "global"
+    share = Fraction(LAYER_FROM).limit_denominator(100)  # a budget and a length exactly on the edge
+    on_edge = make_h2o_cache(llama, H2OConfig(budget=share.numerator, n_sink=1, grace=2))
+    assert spread_for(on_edge, share.denominator) == "layer" and spread_for(on_edge, share.denominator + 1) == "global"
     auto, layer = make_h2o_cache(llama, cfg), make_h2o_cache(llama, cfg)
     cache_prompt(llama, PROMPT, auto, chunk_size=16)
     cache_prompt(llama, PROMPT, layer, chunk_size=16, budgets="layer")
     assert [c.tokens_per_head for c in auto] == [c.tokens_per_head for c in layer]
-    assert spread_for(auto, 8) == "layer" and spread_for(auto, 9) == "global"  # the 40 held count too
+    more = edge - len(PROMPT)  # the tokens held count too
+    assert spread_for(auto, more) == "layer" and spread_for(auto, more + 1) == "global"
 
 
 def test_a_cap_bounds_every_head_and_so_every_layers_slots(llama):

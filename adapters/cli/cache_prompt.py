@@ -53,7 +53,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help=f"prompt tokens read and scored per chunk; peak memory is about each layer's kept "
                         f"rows + 2 x chunk, plus one slice of attention weights (default {CHUNK})")
     parser.add_argument("--budgets", choices=BUDGETS, default=BUDGETS[0],
-                        help="auto (default): layer when --budget is at least a quarter of the prompt, else "
+                        help="auto (default): layer when --budget is at least 45%% of the prompt, else "
                         "global; global: one selection over every layer and KV head keeps --budget x heads x "
                         "layers tokens where the repeat pass's scores are, so a head that copies from the prompt "
                         "keeps much and the others little; layer: --budget x heads per layer, spread over that "

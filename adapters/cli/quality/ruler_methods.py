@@ -137,7 +137,7 @@ class _CachePrompt(Scored):
 @register("cache_prompt")
 class CachePrompt(_CachePrompt):
     """cache_prompt's default ("auto"): one selection per layer when the budget is at least
-    a quarter of the context, else one over every layer and KV head (`h2o_fn.budgets`)."""
+    `LAYER_FROM` (45%) of the context, else one over every layer and KV head (`h2o_fn.budgets`)."""
 
     label = "H2O + cache_prompt (repeat pass)"
 
