@@ -516,8 +516,9 @@ class H2OResponseGenerator(serve_compat.GuardedGenerator):
     When `reader` plans a read (the prompt overflows the budget), the request waits in a
     queue of readings, oldest first. Their slices (`--prefill-step-size` tokens, one
     `cache_prompt` call each) are read one at a time on a thread of their own (MLX gives
-    each thread its own stream; `cache_prompt` leaves the caches it reads into evaluated), so mlx-lm's loop keeps decoding the other requests meanwhile instead of waiting
-    for a slice. `work`, called at each turn of that loop, collects a slice that ended and
+    each thread its own stream; `cache_prompt` leaves the caches it reads into evaluated),
+    so mlx-lm's loop keeps decoding the other requests meanwhile instead of waiting for a
+    slice. `work`, called at each turn of that loop, collects a slice that ended and
     starts the next. A streaming client gets its status line and a keep-alive comment as
     soon as its reading is queued, then one per slice read; a reading whose client left is
     dropped before its next slice. When its head is read, the request goes to mlx-lm's loop
