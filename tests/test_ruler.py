@@ -14,7 +14,7 @@ pytest.importorskip("mlx_lm")
 
 from h2o_fn.adapters import gguf  # noqa: E402
 from h2o_fn.adapters.cli import evaluate  # noqa: E402
-from h2o_fn.adapters.cli.quality import ruler, ruler_methods, ruler_tasks  # noqa: E402
+from h2o_fn.adapters.cli.quality import ruler, ruler_merge, ruler_methods, ruler_tasks  # noqa: E402
 from h2o_fn.adapters.cli.quality.ruler_tasks import (  # noqa: E402
     NOISE, TASKS, generate, string_match_all, string_match_part)
 
@@ -141,7 +141,7 @@ def test_budgets_protocols_and_stops():
     assert not ruler.stops(" :\n\n- ", True) and ruler.stops(" :\n\n- x\n", True)  # a line with a letter or digit
 
 
-@pytest.mark.parametrize("module", [ruler_tasks, ruler])
+@pytest.mark.parametrize("module", [ruler_tasks, ruler, ruler_merge])
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
@@ -201,6 +201,72 @@ def test_table_means_gaps_and_uninformative_tasks():
                                     "table": [full, h2o]}))
     assert "| a | b* | c |" in lines and "Uninformative here (the full cache scores <= 10): b" in lines
     assert "| h2o | 0.5 removed | 10 | 50 | 30 | 40 | 40.0 | -13.3 | 45.0 | -35.0 | 1.0 |" in lines
+
+
+def _run(first, rows, template="base", command="run"):
+    """An eval.json of `eval ruler` holding `rows`: (task, method, kind, value, scores of its samples)."""
+    rows = [{"protocol": "agnostic", "length": 1024, "haystack": "ruler", "task": t, "method": m, "label": m.upper(),
+             "kind": k, "value": v, "scores": s, "score": sum(s) / len(s), "budget": 10, "seconds": 1.0}
+            for t, m, k, v, s in rows]
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    return {"command": command, "date": "2026-12-07", "blas": "BLAS: x", "weights": "float32",
+            "ruler": {"template": template, "first_sample": first, "samples": len(rows[0]["scores"]), "tasks": tasks,
+                      "lengths": [1024], "haystacks": ["ruler"], "protocols": ["agnostic"], "ratios": [0.5],
+                      "budgets": [], "methods": {"full": "FULL", "h2o": "H2O"}, "prompts": {},
+                      "full_predictions": {f"1024/ruler/{t}": [f"{t}{first + i}" for i in range(len(rows[0]["scores"]))]
+                                           for t in tasks}, "tasks_rows": rows}}
+
+
+def test_merge_joins_samples_by_index_the_later_run_replacing_and_drops_what_full_does_not_match():
+    a = _run(0, [("a", "full", "full", None, [100, 0]), ("b", "full", "full", None, [0, 0]),
+                 ("a", "h2o", "ratio", 0.5, [0, 0]), ("b", "h2o", "ratio", 0.5, [0, 0]),
+                 ("a", "h2o", "ratio", 0.75, [0, 0]), ("b", "h2o", "ratio", 0.75, [0, 0])], command="first")
+    b = _run(1, [("a", "full", "full", None, [100, 100, 0]), ("b", "full", "full", None, [0, 0, 0]),
+                 ("a", "h2o", "ratio", 0.5, [100, 100, 0]), ("b", "h2o", "ratio", 0.5, [0, 0, 0]),
+                 ("a", "h2o", "ratio", 0.25, [100, 100, 100])], command="second")
+    r = ruler_merge.merge([a, b], "merge")
+    rows = {(t["method"], t["value"]): t for t in r["table"]}
+    assert r["samples"] == 4 and r["first_sample"] == 0 and r["command"] == "merge"
+    # task a, sample 1: the later run's 100 replaces the earlier 0 (full: 100, 100, 100, 0; h2o: 0, 100, 100, 0)
+    assert rows[("full", None)]["scores"] == {"a": 75, "b": 0}
+    assert rows[("h2o", 0.5)]["scores"] == {"a": 50, "b": 0} and rows[("h2o", 0.5)]["gap"] == -12.5
+    assert set(rows) == {("full", None), ("h2o", 0.5)}
+    dropped = {d["value"]: d["why"] for d in r["dropped"]}
+    assert "samples differ from the full cache's: a [0, 1] against [0, 1, 2, 3]" in dropped[0.75]
+    assert dropped[0.25] == "tasks ['b'] missing"
+    assert r["full_predictions"]["1024/ruler/a"] == ["a0", "a1", "a2", "a3"]
+    assert [m["command"] for m in r["merged"]] == ["first", "second"]
+    lines = "\n".join(ruler.render(r))
+    assert "samples 0-1 of `first` (2026-12-07); samples 1-3 of `second`" in lines
+    assert "Left out: h2o 0.75 removed (samples differ" in lines and "h2o 0.25 removed (tasks ['b'] missing)" in lines
+    with pytest.raises(ValueError, match=r"templates \['base', 'chat'\] cannot be merged"):
+        ruler_merge.merge([a, _run(2, [("a", "full", "full", None, [1])], template="chat")], "m")
+    with pytest.raises(ValueError, match="expected the same consecutive indices in every task"):
+        ruler_merge.merge([a, _run(3, [("a", "full", "full", None, [1])])], "m")
+
+
+def test_eval_ruler_merge_writes_the_report_without_the_model(tmp_path, monkeypatch, capsys):
+    def load(*args, **kwargs):
+        raise AssertionError("--ruler-merge loaded the model")
+
+    monkeypatch.setattr(evaluate.common, "load_or_exit", load)
+    runs = []
+    for i, first in enumerate((0, 2)):
+        runs.append(tmp_path / f"run{i}")
+        runs[-1].mkdir()
+        (runs[-1] / "eval.json").write_text(json.dumps(_run(first, [
+            ("a", "full", "full", None, [100, 0]), ("a", "h2o", "ratio", 0.5, [100, 100 * i])])))
+    out = tmp_path / "merged"
+    evaluate.main(["ruler", "--no-openblas", "--out", str(out), "--ruler-merge", str(runs[0]),
+                   str(runs[1] / "eval.json")])
+    r = json.loads((out / "eval.json").read_text())
+    assert r["blas"] == "BLAS: x" and r["ruler"]["samples"] == 4 and (out / "ruler.png").stat().st_size > 1000
+    assert "| H2O | 0.5 removed | 10 | 75 | 75.0 | +25.0 |" in (out / "eval.md").read_text()
+    for bad, why in [(["ppl", "ruler"], "expected the section ruler alone"),
+                     (["ruler"], "expected an eval.json file or a folder holding one")]:
+        with pytest.raises(SystemExit):
+            evaluate.main([*bad, "--no-openblas", "--out", str(out), "--ruler-merge", str(tmp_path / "none")])
+        assert why in capsys.readouterr().err
 
 
 def test_register_refuses_a_taken_name_and_a_non_method():

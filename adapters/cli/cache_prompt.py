@@ -59,14 +59,16 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "keeps much and the others little; layer: --budget x heads per layer, spread over that "
                         "layer's heads; uniform: --budget in every head")
     parser.add_argument("--tail", type=int, default=TAIL,
-                        help=f"with --budgets global or layer: tokens each head takes after the prompt (the question, the "
-                        f"answer) before the rule evicts again (default {TAIL})")
+                        help="with --budgets global or layer: tokens each head takes after the prompt (the "
+                        f"question, the answer) before the rule evicts again (default {TAIL})")
     parser.add_argument("--repeat-pool", type=int, default=POOL,
-                        help="the repeat pass scores each prompt token at least as its neighbours within pool // 2 places, so "
-                        f"kept tokens keep their neighbours (odd; 1: its scores as they are; default {POOL})")
+                        help="the repeat pass scores each prompt token at least as its neighbours within pool // 2 "
+                        "places, so kept tokens keep their neighbours (odd; 1: its scores as they are; "
+                        f"default {POOL})")
     parser.add_argument("--repeat-surprisal", type=float, default=SURPRISAL,
-                        help="each prompt token's score times 1 + this x its surprisal over the chunk's mean: what the "
-                        f"model could not predict is kept first (0: the repeat pass's scores as they are; default {SURPRISAL})")
+                        help="each prompt token's score times 1 + this x its surprisal over the chunk's mean: what "
+                        "the model could not predict is kept first (0: the repeat pass's scores as they are; "
+                        f"default {SURPRISAL})")
     parser.add_argument("--kvcache", action="store_true",
                         help="save mlx-lm's plain KVCache instead (the kept keys re-rotated to consecutive "
                         "positions, h2o_fn.adapters.export): unmodified mlx_lm.generate --prompt-cache-file "

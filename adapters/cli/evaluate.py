@@ -24,7 +24,8 @@ only those results. Caches are compared at the same budget: mlx-lm's full `KVCac
 - ruler (only when named: it is the longest): RULER's synthetic tasks (needles, variable
   tracking, common and frequent words) on the noise and pydoc haystacks at 1k-4k tokens,
   each method of `quality/ruler_methods.py` at kvpress's compression ratios, the question
-  after the compressed context (agnostic) or inside it (aware).
+  after the compressed context (agnostic) or inside it (aware). `eval ruler --ruler-merge RUN...`
+  measures nothing: it merges earlier runs by sample index into one report.
 
 Writes results/eval/{eval.json, eval.md, *.png}; sections of earlier runs stay in
 eval.json unless this run redoes them. Each section is one module of
@@ -44,7 +45,7 @@ from ..attention import query_scoring
 from ..metrics import HAYSTACKS
 from ..retention import CHUNK, POOL, SURPRISAL
 from . import common, plots
-from .quality import agree, frontier, kept_map, mass, passkey, peak, ppl, ruler, sweep
+from .quality import agree, frontier, kept_map, mass, passkey, peak, ppl, ruler, ruler_merge, sweep
 from .quality.ruler_methods import METHODS as RULER_METHODS
 from .quality.ruler_tasks import TASKS as RULER_TASKS, TEMPLATES as RULER_TEMPLATES
 from .quality.specs import PROMPTS, RETRIEVAL_FAMILIES, Run
@@ -102,9 +103,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeat-chunk", type=int, default=CHUNK,
                         help=f"prompt tokens per chunk of cache_prompt's repeat pass (default {CHUNK})")
     parser.add_argument("--repeat-pool", type=int, default=POOL,
-                        help=f"cache_prompt's pooling of the repeat pass's scores, in tokens (odd; default {POOL}: none)")
+                        help=f"cache_prompt's pooling of the repeat pass's scores, in tokens "
+                        f"(odd; default {POOL}: none)")
     parser.add_argument("--repeat-surprisal", type=float, default=SURPRISAL,
-                        help=f"cache_prompt's weight of each token's surprisal on its score (default {SURPRISAL}; 0: none)")
+                        help=f"cache_prompt's weight of each token's surprisal on its score "
+                        f"(default {SURPRISAL}; 0: none)")
     parser.add_argument("--caches", nargs="+", choices=RETRIEVAL_FAMILIES, default=list(RETRIEVAL_FAMILIES),
                         help="cache families of retrieval and peak (the full cache always runs: the reference)")
     parser.add_argument("--facts", type=int, default=4, help="codes hidden in one context (at most 4)")
@@ -140,6 +143,10 @@ def add_ruler_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ruler-template", choices=RULER_TEMPLATES, default="base",
                        help="base: RULER's task template as is; chat: inside the tokenizer's chat template "
                        "(default base)")
+    group.add_argument("--ruler-merge", nargs="+", metavar="RUN", default=None,
+                       help="measure nothing: merge earlier runs' ruler sections (eval.json files or their "
+                       "folders, oldest first; a later run replaces a sample it shares) into --out's report "
+                       "and plot (quality/ruler_merge.py)")
 
 
 # name -> (results key, section module); run in this order whatever order they are asked in
@@ -201,18 +208,47 @@ def main(argv: Optional[List[str]] = None) -> None:
         common.policy_or_error(parser, args, budget)
     for bits in args.frontier_bits if "frontier" in args.what else ():
         common.storage_or_error(parser, bits, args.kv_group_size)
+    if args.ruler_merge is not None and args.what != ["ruler"]:
+        parser.error(f"--ruler-merge merges ruler sections only: expected the section ruler alone, not {args.what}")
     argv = list(sys.argv[1:] if argv is None else argv)
     out, header = common.start_run("eval", argv, args)
     previous = out / "eval.json"  # sections from earlier runs stay unless this run redoes them
     results = {**(json.loads(previous.read_text()) if previous.exists() else {}), **header}
+    if args.ruler_merge is not None:
+        parts = _runs(parser, args.ruler_merge)
+        try:
+            results["ruler"] = ruler_merge.merge(parts, header["command"])
+        except ValueError as e:
+            parser.error(f"--ruler-merge: {e}")
+        for key in ("blas", "weights"):  # the runs' own, not this process's
+            results[key] = "; ".join(dict.fromkeys(p[key] for p in parts))
+        return _write(results, out, ["ruler"])
     model, tokenizer = common.load_or_exit("eval", args.model, dequantize=not args.quantized)
     run = Run(model, tokenizer, args, parser, header["command"])
     with query_scoring(model):  # the hook lives for this command only
         for name, (key, section) in SECTIONS.items():
             if name in args.what:
                 results[key] = section.measure(run)
+    _write(results, out, args.what)
+
+
+def _runs(parser: argparse.ArgumentParser, runs: List[str]) -> List[dict]:
+    """`--ruler-merge`'s runs (eval.json files or folders holding one), or the argparse error naming why not."""
+    parts = []
+    for run in runs:
+        path = Path(run) / "eval.json" if Path(run).is_dir() else Path(run)
+        if not path.is_file():
+            parser.error(f"--ruler-merge {run} is invalid: expected an eval.json file or a folder holding one")
+        part = json.loads(path.read_text())
+        if "ruler" not in part:
+            parser.error(f"--ruler-merge {run} is invalid: {path} has no ruler section (sections: {sorted(part)})")
+        parts.append(part)
+    return parts
+
+
+def _write(results: dict, out: Path, what: List[str]) -> None:
     (out / "eval.json").write_text(json.dumps(results, indent=1))
     (out / "eval.md").write_text(markdown(results))
-    figures = draw(results, out, args.what)
+    figures = draw(results, out, what)
     print("\n" + markdown(results))
     print(f"wrote {out}/eval.json, eval.md" + "".join(f", {f}" for f in figures))

@@ -226,6 +226,19 @@ def _setting(row: dict) -> str:
     return f"budget {row['value']}" if row["kind"] == "budget" else "-"
 
 
+def _merge_notes(r: dict, cell: tuple) -> List[str]:
+    """What a merged report (`ruler_merge.merge`) came from, and the settings it left out in `cell`."""
+    notes = []
+    if r.get("merged"):
+        notes.append("Merged by sample index (a later run replaces a sample an earlier one holds): " + "; ".join(
+            f"samples {m['first_sample']}-{m['first_sample'] + m['samples'] - 1} of `{m['command']}` ({m['date']})"
+            for m in r["merged"]) + ".")
+    out = [d for d in r.get("dropped", ()) if (d["protocol"], d["length"], d["haystack"]) == cell]
+    if out:
+        notes.append("Left out: " + "; ".join(f"{d['method']} {_setting(d)} ({d['why']})" for d in out) + ".")
+    return notes
+
+
 def render(r: dict) -> List[str]:
     out = []
     for protocol in sorted(r["protocols"], key=("agnostic", "aware").index):  # the main table first
@@ -245,6 +258,7 @@ def render(r: dict) -> List[str]:
                          "). Scores: RULER's string_match_all, percent. kept/head: mean tokens kept per layer "
                          "and KV head (a ratio r keeps round((1 - r) n) of the n read). vs full: the mean's gap "
                          "to the full cache. read s: seconds to read (compress) one context per budget."]
+                notes += _merge_notes(r, (protocol, length, haystack))
                 if dead:
                     notes.append(f"Uninformative here (the full cache scores <= {UNINFORMATIVE:g}): "
                                  f"{', '.join(dead)} (marked *); 'informative' averages the other tasks.")
