@@ -232,13 +232,13 @@ def test_merge_joins_samples_by_index_the_later_run_replacing_and_drops_what_ful
     assert rows[("h2o", 0.5)]["scores"] == {"a": 50, "b": 0} and rows[("h2o", 0.5)]["gap"] == -12.5
     assert set(rows) == {("full", None), ("h2o", 0.5)}
     dropped = {d["value"]: d["why"] for d in r["dropped"]}
-    assert "samples differ from the full cache's: a [0, 1] against [0, 1, 2, 3]" in dropped[0.75]
+    assert dropped[0.75] == "samples [0, 1] against the full cache's [0, 1, 2, 3] in a, b"
     assert dropped[0.25] == "tasks ['b'] missing"
     assert r["full_predictions"]["1024/ruler/a"] == ["a0", "a1", "a2", "a3"]
     assert [m["command"] for m in r["merged"]] == ["first", "second"]
     lines = "\n".join(ruler.render(r))
     assert "samples 0-1 of `first` (2026-12-07); samples 1-3 of `second`" in lines
-    assert "Left out: h2o 0.75 removed (samples differ" in lines and "h2o 0.25 removed (tasks ['b'] missing)" in lines
+    assert "Left out: h2o 0.75 removed (samples [0, 1] against" in lines and "h2o 0.25 removed (tasks ['b'] missing)" in lines
     with pytest.raises(ValueError, match=r"templates \['base', 'chat'\] cannot be merged"):
         ruler_merge.merge([a, _run(2, [("a", "full", "full", None, [1])], template="chat")], "m")
     with pytest.raises(ValueError, match="expected the same consecutive indices in every task"):

@@ -70,11 +70,14 @@ def merge(parts: Sequence[dict], command: str) -> dict:
     for group, keys in groups.items():
         tasks = {k[3] for k in keys}
         cell_tasks = {t[3] for t in full if t[:3] == group[:3]}
-        short = sorted(f"{k[3]} {sorted(samples[k])} against {sorted(full.get(k[:4], ()))}" for k in keys
-                       if set(samples[k]) != full.get(k[:4]))
+        short: Dict[tuple, List[str]] = {}  # (samples held, the full cache's) -> tasks
+        for k in keys:
+            if set(samples[k]) != full.get(k[:4]):
+                short.setdefault((tuple(sorted(samples[k])), tuple(sorted(full.get(k[:4], ())))), []).append(k[3])
         if tasks != cell_tasks or short:
-            why = f"tasks {sorted(cell_tasks - tasks)} missing" if tasks != cell_tasks else \
-                "samples differ from the full cache's: " + "; ".join(short)
+            why = f"tasks {sorted(cell_tasks - tasks)} missing" if tasks != cell_tasks else "; ".join(
+                f"samples {list(have)} against the full cache's {list(want)} in "
+                + (", ".join(sorted(ts)) if len(ts) <= 3 else f"{len(ts)} tasks") for (have, want), ts in short.items())
             dropped.append({"protocol": group[0], "length": group[1], "haystack": group[2], "method": group[3],
                             "kind": group[4], "value": group[5], "why": why})
             continue
