@@ -302,6 +302,8 @@ def plot(r: dict, path) -> None:
         ax.set_xlabel("compression ratio (fraction of the context removed)")
         ax.set_title(f"{protocol}, {length} tokens, haystack {haystack}", fontsize=9)
         ax.grid(alpha=0.3)
+    top = max(t["mean"] for t in r["table"])
+    axes[0][0].set_ylim(0, min(100, top + 10))  # from 0: a few points' gap is drawn as a few points
     axes[0][0].set_ylabel("RULER mean score")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
