@@ -60,6 +60,8 @@ TAIL = 32  # with budgets="global": new tokens each head takes after the prompt 
 POOL = 1  # no pooling of the repeat pass's scores: 5 lost the natural-text key at 256 (BENCHMARKS, "Natural text")
 # each chunk token's score times 1 + SURPRISAL * its surprisal over the chunk's mean (`retention.weigh`)
 SURPRISAL = 10.0
+SHARE = 0.0  # share of a head's budget for the best windows, kept whole in every head (`share_windows`)
+WIDTH = 8  # tokens per window (`retention.shared`)
 
 
 def repeat_prefix(tokenizer) -> List[int]:
@@ -88,6 +90,7 @@ class ScoringPass:
         self.held = (s.core.positions[..., : self.span] != RESERVED) if self.span and s.reserved else None
         self.chunk = None  # (keys, values) of pass 1, [B, H, N, D]
         self.scores = None  # [B, H, span + N] after pass 2
+        self.shared = None  # [B, N] bool: the chunk's windows kept in every head (`share_windows`)
         self.wants_weights = False
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -156,9 +159,42 @@ class ScoringPass:
             raise RuntimeError("the repeat pass never handed its attention weights to this layer: "
                                "its attention does not go through mlx_lm's scaled_dot_product_attention")
         scores = retention.pool(self.scores, self.pool, self.span)
-        if self.surprisals is None:
+        if self.surprisals is not None:
+            scores = retention.weigh(scores, self.surprisals, self.surprisal, self.span)
+        if self.shared is None:
             return scores
-        return retention.weigh(scores, self.surprisals, self.surprisal, self.span)
+        lift = mx.pad(self.shared[:, None].astype(mx.float32) * retention.SHARED, [(0, 0), (0, 0), (self.span, 0)])
+        return scores + lift
+
+    def shared_before(self) -> mx.array:
+        """`[B]`: kept tokens that earlier chunks shared (`share_windows`; a shared token is in
+        every head, so head 0 counts them)."""
+        if not self.span:
+            return mx.zeros((self.chunk[0].shape[0],), mx.int32)
+        core = self.cache.layer_state.core
+        held = (core.positions[:, 0, : self.span] >= 0) & (core.scores[:, 0, : self.span] >= retention.SHARED / 2)
+        return mx.sum(held, axis=-1).astype(mx.int32)
+
+
+def share_windows(passes: List[ScoringPass], share: float, width: int = WIDTH, part: float = 1.0) -> None:
+    """Mark in every pass the chunk's best windows of `width` tokens (`h2o_fn.retention.shared`,
+    by each token's best score over every layer and head): their scores are raised by `SHARED`,
+    so every selection keeps them whole in every head, first after the sinks, and a later
+    chunk keeps them too. With the windows earlier chunks shared they take at most `share` x
+    `part` of a head's budget (`part`: the share of the prompt read once this chunk is, so
+    that the first chunks of a long prompt leave room to the later ones); share 0: none."""
+    if share <= 0:
+        return
+    room = int(share * part * passes[0].cache.target_budget) - passes[0].shared_before()
+    mask = retention.shared([p._scores()[..., p.span :] for p in passes], width, room)
+    for p in passes:
+        p.shared = mask
+
+
+def share_for(budgets: str, share: Optional[float]) -> float:
+    """`cache_prompt`'s `share` resolved: as given, else `SHARE` with a selection across heads
+    and 0 with "uniform"."""
+    return (0.0 if budgets == "uniform" else SHARE) if share is None else share
 
 
 def _layers(cache: Sequence[Any]) -> List[Any]:
@@ -212,7 +248,8 @@ def absorb_passes(passes: List[ScoringPass], budgets: str, tail: int, cap: Optio
 def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], *,
                  repeat_prefix: Sequence[int] = (), chunk_size: int = CHUNK, budgets: str = "auto",
                  tail: int = TAIL, cap: Optional[int] = None, pool: int = POOL,
-                 surprisal: float = SURPRISAL) -> List[Any]:
+                 surprisal: float = SURPRISAL, share: Optional[float] = None,
+                 width: int = WIDTH) -> List[Any]:
     """Feed `prompt_ids` into `cache` (from `make_h2o_cache`) scored for questions not yet
     asked: afterwards every H2O layer and head holds at most its budget.
 
@@ -245,6 +282,12 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
         is kept first. 0: KVzip's scores as they are (and the logits are never made). 100
         finds more codes and names on natural text, and fewer of the most frequent words
         (BENCHMARKS, "Natural text").
+      share: the share of a head's budget (0-1) given to the prompt's best windows of `width`
+        tokens, kept whole in every layer and head (`share_windows`); the rest is spread as
+        `budgets` says. 0: none; None (the default): `SHARE` with a selection across heads
+        ("global", "layer", "auto"), 0 with "uniform" (which refuses more: each head keeps
+        its own budget by the eviction rule, which pools scores).
+      width: tokens per window (>= 1).
 
     Returns `cache`, for chaining. Costs about two prefills (the repeat pass attends over
     the kept rows and the chunk and materialises its weights, SLICE floats at a time).
@@ -262,10 +305,19 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
         raise ValueError(f"pool={pool} is invalid: expected an odd number >= 1 (1: no pooling)")
     if not 0 <= surprisal < float("inf"):  # as `retention.weigh`, before the passes: NaN and inf refused too
         raise ValueError(f"surprisal={surprisal} is invalid: expected a finite number >= 0 (0: scores as they are)")
+    if share is not None and not 0 <= share <= 1:
+        raise ValueError(f"share={share} is invalid: expected 0 <= share <= 1 (of a head's budget; 0: none)")
+    if budgets == "uniform" and share:
+        raise ValueError(f"share={share} is invalid with budgets='uniform': expected 0 or None (windows are "
+                         "shared by a selection across heads: 'global', 'layer' or 'auto')")
+    share = share_for(budgets, share)
+    if width < 1:
+        raise ValueError(f"width={width} is invalid: expected >= 1 (tokens per window)")
     layers = _layers(cache)
     budgets = spread_for(layers, len(ids), budgets)
     for start in range(0, len(ids), chunk_size):
         passes = score_chunk(model, ids[start : start + chunk_size], layers, repeat_prefix, pool, surprisal)
+        share_windows(passes, share, width, min(start + chunk_size, len(ids)) / len(ids))
         absorb_passes(passes, budgets, tail, cap)
         mx.eval([c.state for c in layers])  # nothing lazy is left: serve hands the cache across threads
     return cache

@@ -342,6 +342,27 @@ def weigh(scores, surprisals, weight: float, start: int = 0) -> np.ndarray:
     return out
 
 
+def shared(scores, width: int, room) -> np.ndarray:
+    """`[B, N]` bool: per row, each token's best clean score over every layer and head; windows
+    of `width` tokens from the first; the best by mean (ties: the earlier) taken whole while
+    their tokens fit `room[b]`, stopping at the first that does not."""
+    scores = [np.asarray(s, np.float64) for s in scores]
+    B, N = scores[0].shape[0], scores[0].shape[-1]
+    room = np.broadcast_to(np.asarray(room, np.float64).reshape(-1), (B,))
+    out = np.zeros((B, N), bool)
+    for b in range(B):
+        best = [max(clean(s[b, h, i]) for s in scores for h in range(s.shape[1])) for i in range(N)]
+        windows = [list(range(a, min(a + width, N))) for a in range(0, N, width)]
+        order = sorted(range(len(windows)), key=lambda w: (-sum(best[t] for t in windows[w]) / len(windows[w]), w))
+        used = 0
+        for w in order:
+            if used + len(windows[w]) > room[b]:
+                break
+            used += len(windows[w])
+            out[b, windows[w]] = True
+    return out
+
+
 def chunk_scores(state: RefState, scores, span=None) -> List[List[dict]]:
     """New scores by position per (b, h): `scores[b, h, p]` for the chunk's positions
     (p >= seen[b]), max(old score, scores[b, h, p]) for a kept token at position p."""

@@ -20,6 +20,11 @@ the pure parts, with twins of the same names in `h2o_fn.reference`:
   token the model could not predict from what came before (a code, a name, a number) carries
   what a compressed cache cannot rebuild, so it is kept before the predictable text around it
   (Selective Context's self-information, Li et al., 2023, as a prior on KVzip's scores);
+- `shared`: the chunk's best windows of consecutive tokens, to keep whole in every layer
+  and head (by each token's best score over all of them): a fact sits in a run of tokens,
+  and one selection token by token keeps pieces of it in some heads and other pieces in
+  others; `SHARED` is what the adapter adds to their scores so that every selection keeps
+  them first;
 - `chunk_scores`: those scores over (kept rows, chunk) -> the core's `[B, H, C + N]`
   layout for `absorb_scored`, raising each kept token's score to its new one (max).
 
@@ -38,9 +43,14 @@ Example:
     [0, 2, 4, -1]
 """
 
+from typing import Sequence
+
 import mlx.core as mx
 
+from .scoring import clean_weights
 from .state import H2OState
+
+SHARED = 1e5  # added to a shared window's scores: above any score a repeat pass and `weigh` give
 
 
 def aggregate(weights: mx.array, kv_heads: int) -> mx.array:
@@ -111,6 +121,41 @@ def weigh(scores: mx.array, surprisals: mx.array, weight: float, start: int = 0)
     s = mx.where(known, s, mean)
     factor = 1 + weight * s / mx.where(mean > 0, mean, 1.0)  # [B, N]; a row predicted perfectly: 1 + weight * 0
     return mx.concatenate([scores[..., :start], scores[..., start:] * factor[:, None]], axis=-1)
+
+
+def shared(scores: Sequence[mx.array], width: int, room) -> mx.array:
+    """The chunk's best windows, whole: per layer scores `[B, H_l, N]` over the same N chunk
+    tokens -> `[B, N]` bool.
+
+    Each token's score is its largest over every layer and head (NaN, inf and negatives count
+    as 0); the chunk is cut into windows of `width` tokens from its first (the last may be
+    shorter), ranked by their mean score (ties: the earlier window first); the best are taken
+    whole while their tokens add up to at most `room[b]` (`[B]` or a number); the first window
+    that would not fit ends the choice.
+
+    >>> s = mx.array([[[0.0, 0.9, 0.1, 0.2, 0.2, 0.8, 0.1]]])
+    >>> shared([s], 2, 4).astype(mx.int32).tolist()     # windows' means .45 .15 .5 .1: the 3rd, the 1st
+    [[1, 1, 0, 0, 1, 1, 0]]
+    >>> shared([s], 2, 3).astype(mx.int32).tolist()     # the 1st would not fit after the 3rd: none after it
+    [[0, 0, 0, 0, 1, 1, 0]]
+    """
+    if width < 1:
+        raise ValueError(f"width={width} is invalid: expected >= 1 (tokens per window)")
+    if not scores:
+        raise ValueError("scores is empty: expected one [B, H, N] array per layer")
+    best = mx.max(mx.stack([mx.max(clean_weights(s), axis=1) for s in scores]), axis=0)  # [B, N]
+    B, N = best.shape
+    W = -(-N // width)
+    sums = mx.pad(best, [(0, 0), (0, W * width - N)]).reshape(B, W, width).sum(axis=-1)
+    sizes = mx.minimum(width, N - width * mx.arange(W)).astype(mx.float32)  # [W]
+    mean = sums / sizes
+    i = mx.arange(W)
+    first = (mean[:, :, None] > mean[:, None, :]) | (  # [B, v, w]: window v is ranked before window w
+        (mean[:, :, None] == mean[:, None, :]) & (i[:, None] < i[None, :]))
+    before = mx.sum(first * sizes[None, :, None], axis=1)  # [B, W]: tokens of the windows ranked before
+    room = mx.broadcast_to(mx.array(room).astype(mx.float32).reshape(-1), (B,))
+    take = before + sizes <= room[:, None]
+    return mx.repeat(take, width, axis=1)[:, :N]
 
 
 def chunk_scores(state: H2OState, scores: mx.array, span: int) -> mx.array:

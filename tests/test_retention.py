@@ -68,6 +68,30 @@ def test_weigh_equals_its_reference_twin(B, H, L, weight, data):
     np.testing.assert_array_equal(got[..., :start], scores[..., :start])
 
 
+@settings(max_examples=60, deadline=None)
+@given(B=st.integers(1, 2), layers=st.lists(st.integers(1, 3), min_size=1, max_size=3), N=st.integers(1, 11),
+       width=st.integers(1, 4), data=st.data())
+def test_shared_equals_its_reference_twin_and_keeps_whole_windows_within_room(B, layers, N, width, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    scores = [rng.integers(-1, 5, size=(B, H, N)).astype(np.float32) / 4 for H in layers]  # quarters: exact means
+    if data.draw(st.booleans()):
+        scores[0][0, 0, 0] = np.nan  # counts as 0
+    room = np.array([data.draw(st.integers(-1, N + 1)) for _ in range(B)])
+    got = np.array(retention.shared([mx.array(s) for s in scores], width, mx.array(room)))
+    np.testing.assert_array_equal(got, ref.shared(scores, width, room))
+    assert got.shape == (B, N) and (got.sum(axis=1) <= np.maximum(room, 0)).all()
+    for b in range(B):  # a window is taken whole or not at all
+        for a in range(0, N, width):
+            assert got[b, a : a + width].all() or not got[b, a : a + width].any()
+
+
+def test_shared_rejects_a_width_below_one_and_no_layers():
+    with pytest.raises(ValueError, match="width=0 is invalid: expected >= 1"):
+        retention.shared([mx.zeros((1, 1, 3))], 0, 3)
+    with pytest.raises(ValueError, match="scores is empty"):
+        retention.shared([], 2, 3)
+
+
 def test_weigh_rejects_a_negative_or_nan_weight_and_surprisals_of_another_chunk():
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=f"weight={bad}"):
@@ -217,6 +241,45 @@ def test_a_long_prompt_is_held_to_budget_in_every_layer(llama, chunk):
         assert kept.max() == len(PROMPT) - 1 and 0 in kept[0, 0]  # the sink and the grace window
     logits = _next_logits(llama, cache, [5, 6])  # and the cache decodes on
     assert logits.shape == (1, 101) and all(c.tokens_kept == cfg.budget for c in cache)
+
+
+@pytest.mark.parametrize("budgets", ["global", "layer"])
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_shared_windows_are_kept_whole_in_every_head_within_their_share(llama, chunk, budgets):
+    """share: the best windows of each chunk are in every layer and head, whole (aligned on the
+    chunk's start), and with the windows of earlier chunks they take at most share x budget."""
+    cfg, share, width = H2OConfig(budget=12, n_sink=1, grace=2), 0.5, 3
+    cache = make_h2o_cache(llama, cfg)
+    cache_prompt(llama, PROMPT, cache, chunk_size=chunk, budgets=budgets, share=share, width=width)
+    shared = None
+    for c in cache:
+        core = c.core_state
+        lifted = (np.array(core.positions) >= 0) & (np.array(core.scores) >= retention.SHARED / 2)
+        heads = [set(np.array(core.positions)[0, h][lifted[0, h]].tolist()) for h in range(c.kv_heads)]
+        assert all(h == heads[0] for h in heads)  # in every head
+        shared = heads[0] if shared is None else shared
+        assert heads[0] == shared  # and every layer
+        kept = [set(head) for head in kept_positions(core).tolist()[0]]
+        assert all(shared <= k for k in kept)
+    assert 0 < len(shared) <= int(share * cfg.budget)
+    first = min(chunk, len(PROMPT))  # the first chunk shares at most its part of the room
+    assert len([p for p in shared if p < first]) <= int(share * first / len(PROMPT) * cfg.budget)
+    for p in shared:  # whole windows, cut from each chunk's first token
+        start = p // chunk * chunk + (p % chunk) // width * width
+        assert set(range(start, min(start + width, (p // chunk + 1) * chunk, len(PROMPT)))) <= shared
+    none = make_h2o_cache(llama, cfg)
+    cache_prompt(llama, PROMPT, none, chunk_size=chunk, budgets=budgets, share=0.0)
+    assert all((np.array(c.core_state.scores) < retention.SHARED / 2).all() for c in none)
+
+
+def test_cache_prompt_rejects_a_share_outside_0_1_and_a_width_below_one(llama):
+    cache = make_h2o_cache(llama, H2OConfig(budget=12, n_sink=1, grace=2))
+    with pytest.raises(ValueError, match=r"share=1.5 is invalid: expected 0 <= share <= 1"):
+        cache_prompt(llama, PROMPT, cache, share=1.5)
+    with pytest.raises(ValueError, match="width=0 is invalid: expected >= 1"):
+        cache_prompt(llama, PROMPT, cache, share=0.5, width=0)
+    with pytest.raises(ValueError, match="share=0.5 is invalid with budgets='uniform': expected 0 or None"):
+        cache_prompt(llama, PROMPT, cache, share=0.5, budgets="uniform")
 
 
 @pytest.mark.parametrize("chunk", [7, 64])

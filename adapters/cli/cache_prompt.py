@@ -32,7 +32,7 @@ from ..attention import query_scoring
 from ..export import to_kvcache
 from ..mlx_lm import h2o_caches, keep_views, make_h2o_cache, shares_kv
 from ..metrics import describe_kept, kept_summary
-from ..retention import BUDGETS, CHUNK, POOL, SURPRISAL, TAIL, cache_prompt, repeat_prefix
+from ..retention import BUDGETS, CHUNK, POOL, SHARE, SURPRISAL, TAIL, WIDTH, cache_prompt, repeat_prefix
 from . import common
 
 FORMAT = "h2o-fn compressed prompt cache 1"  # metadata["format"]: what generate checks first
@@ -69,6 +69,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="each prompt token's score times 1 + this x its surprisal over the chunk's mean: what "
                         "the model could not predict is kept first (0: the repeat pass's scores as they are; "
                         f"default {SURPRISAL})")
+    parser.add_argument("--share", type=float, default=None,
+                        help="share of a head's budget (0-1) for the prompt's best windows of --share-width tokens, "
+                        "kept whole in every layer and head; the rest is spread as --budgets says (default "
+                        f"{SHARE} with --budgets auto, global or layer; 0 with uniform)")
+    parser.add_argument("--share-width", type=int, default=WIDTH,
+                        help=f"tokens per shared window (default {WIDTH})")
     parser.add_argument("--kvcache", action="store_true",
                         help="save mlx-lm's plain KVCache instead (the kept keys re-rotated to consecutive "
                         "positions, h2o_fn.adapters.export): unmodified mlx_lm.generate --prompt-cache-file "
@@ -139,11 +145,18 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not 0 <= args.repeat_surprisal < float("inf"):
         parser.error(f"--repeat-surprisal {args.repeat_surprisal} is invalid: expected a finite number >= 0 "
                      "(0: scores as they are)")
+    if args.share is not None and not 0 <= args.share <= 1:
+        parser.error(f"--share {args.share} is invalid: expected 0 <= share <= 1 (of a head's budget; 0: none)")
+    if spread == "uniform" and args.share:
+        parser.error(f"--share {args.share} is invalid with uniform budgets (--budgets uniform or --kvcache): "
+                     "expected 0 (windows are shared by a selection across heads)")
+    if args.share_width < 1:
+        parser.error(f"--share-width {args.share_width} is invalid: expected >= 1")
     with query_scoring(model):
         cache = make_h2o_cache(model, config, **options)
         cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(tokenizer), chunk_size=args.chunk_size,
                      budgets=spread, tail=args.tail, pool=args.repeat_pool,
-                     surprisal=args.repeat_surprisal)
+                     surprisal=args.repeat_surprisal, share=args.share, width=args.share_width)
     seconds = time.perf_counter() - start
     summary = kept_summary(h2o_caches(cache))
     if args.kvcache:

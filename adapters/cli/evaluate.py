@@ -43,7 +43,7 @@ from h2o_fn.allocation import POLICIES
 
 from ..attention import query_scoring
 from ..metrics import HAYSTACKS
-from ..retention import CHUNK, POOL, SURPRISAL
+from ..retention import CHUNK, POOL, SHARE, SURPRISAL, WIDTH
 from . import common, plots
 from .quality import agree, frontier, kept_map, mass, passkey, peak, ppl, ruler, ruler_merge, sweep
 from .quality.ruler_methods import METHODS as RULER_METHODS
@@ -108,6 +108,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeat-surprisal", type=float, default=SURPRISAL,
                         help=f"cache_prompt's weight of each token's surprisal on its score "
                         f"(default {SURPRISAL}; 0: none)")
+    parser.add_argument("--repeat-share", type=float, default=None,
+                        help="cache_prompt's share of a head's budget for the best windows, kept whole in every "
+                        f"head (default {SHARE} with a selection across heads, 0 with uniform)")
+    parser.add_argument("--repeat-share-width", type=int, default=WIDTH,
+                        help=f"cache_prompt's tokens per shared window (default {WIDTH})")
     parser.add_argument("--caches", nargs="+", choices=RETRIEVAL_FAMILIES, default=list(RETRIEVAL_FAMILIES),
                         help="cache families of retrieval and peak (the full cache always runs: the reference)")
     parser.add_argument("--facts", type=int, default=4, help="codes hidden in one context (at most 4)")

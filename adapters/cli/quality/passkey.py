@@ -23,7 +23,9 @@ def retrieval_specs(run: Run) -> List[dict]:
         for family, name, spread in REPEAT_ROWS:
             spec = {"name": name.format(chunk=chunk), "family": family, "budget": b, "config": run.policy(b),
                     "chunk": chunk, "pool": run.args.repeat_pool,
-                    "surprisal": run.args.repeat_surprisal}
+                    "surprisal": run.args.repeat_surprisal,
+                    "share": None if spread == "uniform" else run.args.repeat_share,
+                    "width": run.args.repeat_share_width}
             specs.append(spec if spread is None else {**spec, "spread": spread})
     return [s for s in specs if s["family"] == "full" or s["family"] in run.args.caches]
 

@@ -31,7 +31,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 
 from ...mlx_lm import make_h2o_cache
 from ...cache import H2OKVCache
-from ...retention import TAIL, absorb_passes, cache_prompt, repeat_prefix, score_chunk, spread_for
+from ...retention import (TAIL, absorb_passes, cache_prompt, repeat_prefix, score_chunk, share_for, share_windows,
+                          spread_for)
 from ..baselines import Baseline, build
 from ..retrieval import prefill
 
@@ -126,11 +127,15 @@ class _CachePrompt(Scored):
     def select(self, model, handle, budget):
         ids, scored = handle  # scored: the ScoringPass of each layer, or None (cache_prompt per budget)
         cache = self._cache(model, budget)
+        args = self.run.args
+        share = None if self.budgets == "uniform" else args.repeat_share
         if scored is None:
             return cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(self.run.tokenizer),
-                                chunk_size=self.run.args.repeat_chunk, budgets=self.budgets,
-                                pool=self.run.args.repeat_pool, surprisal=self.run.args.repeat_surprisal)
-        absorb_passes([p.onto(c) for p, c in zip(scored, cache)], spread_for(cache, len(ids), self.budgets), TAIL)
+                                chunk_size=args.repeat_chunk, budgets=self.budgets, pool=args.repeat_pool,
+                                surprisal=args.repeat_surprisal, share=share, width=args.repeat_share_width)
+        passes = [p.onto(c) for p, c in zip(scored, cache)]
+        share_windows(passes, share_for(self.budgets, share), args.repeat_share_width)
+        absorb_passes(passes, spread_for(cache, len(ids), self.budgets), TAIL)
         return cache
 
 
