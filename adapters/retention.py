@@ -60,8 +60,10 @@ TAIL = 32  # with budgets="global": new tokens each head takes after the prompt 
 POOL = 1  # no pooling of the repeat pass's scores: 5 lost the natural-text key at 256 (BENCHMARKS, "Natural text")
 # each chunk token's score times 1 + SURPRISAL * its surprisal over the chunk's mean (`retention.weigh`)
 SURPRISAL = 10.0
-SHARE = 0.0  # share of a head's budget for the best windows, kept whole in every head (`share_windows`)
-WIDTH = 8  # tokens per window (`retention.shared`)
+# share of a head's budget for the best windows, kept whole in every head, with a global selection
+# (`share_windows`): the natural-text key at 8% kept 0.57 -> 0.72 (BENCHMARKS, "Natural text")
+SHARE = 0.5
+WIDTH = 16  # tokens per window (`retention.shared`)
 
 
 def repeat_prefix(tokenizer) -> List[int]:
@@ -166,6 +168,10 @@ class ScoringPass:
         lift = mx.pad(self.shared[:, None].astype(mx.float32) * retention.SHARED, [(0, 0), (0, 0), (self.span, 0)])
         return scores + lift
 
+    def chunk_scores(self) -> mx.array:
+        """`[B, H, N]`: the chunk tokens' scores as the selection reads them (pooled, weighed, lifted)."""
+        return self._scores()[..., self.span :]
+
     def shared_before(self) -> mx.array:
         """`[B]`: kept tokens that earlier chunks shared (`share_windows`; a shared token is in
         every head, so head 0 counts them)."""
@@ -186,15 +192,15 @@ def share_windows(passes: List[ScoringPass], share: float, width: int = WIDTH, p
     if share <= 0:
         return
     room = int(share * part * passes[0].cache.target_budget) - passes[0].shared_before()
-    mask = retention.shared([p._scores()[..., p.span :] for p in passes], width, room)
+    mask = retention.shared([p.chunk_scores() for p in passes], width, room)
     for p in passes:
         p.shared = mask
 
 
 def share_for(budgets: str, share: Optional[float]) -> float:
-    """`cache_prompt`'s `share` resolved: as given, else `SHARE` with a selection across heads
-    and 0 with "uniform"."""
-    return (0.0 if budgets == "uniform" else SHARE) if share is None else share
+    """`cache_prompt`'s `share` resolved for `budgets` as `spread_for` resolves it: as given,
+    else `SHARE` with "global" and 0 with "layer" or "uniform"."""
+    return (SHARE if budgets == "global" else 0.0) if share is None else share
 
 
 def _layers(cache: Sequence[Any]) -> List[Any]:
@@ -284,9 +290,10 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
         (BENCHMARKS, "Natural text").
       share: the share of a head's budget (0-1) given to the prompt's best windows of `width`
         tokens, kept whole in every layer and head (`share_windows`); the rest is spread as
-        `budgets` says. 0: none; None (the default): `SHARE` with a selection across heads
-        ("global", "layer", "auto"), 0 with "uniform" (which refuses more: each head keeps
-        its own budget by the eviction rule, which pools scores).
+        `budgets` says. 0: none; None (the default): `SHARE` where the budget is spread by one
+        selection over every layer ("global", and "auto" below `LAYER_FROM`), 0 with "layer"
+        and "uniform" ("uniform" refuses more: each head keeps its own budget by the eviction
+        rule, which pools scores).
       width: tokens per window (>= 1).
 
     Returns `cache`, for chaining. Costs about two prefills (the repeat pass attends over
@@ -310,11 +317,11 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
     if budgets == "uniform" and share:
         raise ValueError(f"share={share} is invalid with budgets='uniform': expected 0 or None (windows are "
                          "shared by a selection across heads: 'global', 'layer' or 'auto')")
-    share = share_for(budgets, share)
     if width < 1:
         raise ValueError(f"width={width} is invalid: expected >= 1 (tokens per window)")
     layers = _layers(cache)
     budgets = spread_for(layers, len(ids), budgets)
+    share = share_for(budgets, share)
     for start in range(0, len(ids), chunk_size):
         passes = score_chunk(model, ids[start : start + chunk_size], layers, repeat_prefix, pool, surprisal)
         share_windows(passes, share, width, min(start + chunk_size, len(ids)) / len(ids))

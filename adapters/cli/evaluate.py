@@ -100,6 +100,21 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS),
                         help="retrieval protocols: the question inside the compressed prompt (aware) or "
                         "asked after it (agnostic) (default both)")
+    add_repeat_flags(parser)
+    parser.add_argument("--caches", nargs="+", choices=RETRIEVAL_FAMILIES, default=list(RETRIEVAL_FAMILIES),
+                        help="cache families of retrieval and peak (the full cache always runs: the reference)")
+    parser.add_argument("--facts", type=int, default=4, help="codes hidden in one context (at most 4)")
+    parser.add_argument("--facts-trials", type=int, default=3, help="contexts of several facts (default 3; 0: none)")
+    parser.add_argument("--peak-context", type=int, default=4096,
+                        help="prompt tokens of the peak-memory measurement (default 4096)")
+    parser.add_argument("--map-steps", type=int, default=200, help="decode steps of the kept-positions map")
+    add_ruler_flags(parser)
+    return parser
+
+
+def add_repeat_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of cache_prompt's rows (retrieval, peak, ruler): its `chunk_size`, `pool`,
+    `surprisal`, `share` and `width`."""
     parser.add_argument("--repeat-chunk", type=int, default=CHUNK,
                         help=f"prompt tokens per chunk of cache_prompt's repeat pass (default {CHUNK})")
     parser.add_argument("--repeat-pool", type=int, default=POOL,
@@ -110,18 +125,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         f"(default {SURPRISAL}; 0: none)")
     parser.add_argument("--repeat-share", type=float, default=None,
                         help="cache_prompt's share of a head's budget for the best windows, kept whole in every "
-                        f"head (default {SHARE} with a selection across heads, 0 with uniform)")
+                        f"head (default {SHARE} with one selection over every layer, 0 with layer and uniform)")
     parser.add_argument("--repeat-share-width", type=int, default=WIDTH,
                         help=f"cache_prompt's tokens per shared window (default {WIDTH})")
-    parser.add_argument("--caches", nargs="+", choices=RETRIEVAL_FAMILIES, default=list(RETRIEVAL_FAMILIES),
-                        help="cache families of retrieval and peak (the full cache always runs: the reference)")
-    parser.add_argument("--facts", type=int, default=4, help="codes hidden in one context (at most 4)")
-    parser.add_argument("--facts-trials", type=int, default=3, help="contexts of several facts (default 3; 0: none)")
-    parser.add_argument("--peak-context", type=int, default=4096,
-                        help="prompt tokens of the peak-memory measurement (default 4096)")
-    parser.add_argument("--map-steps", type=int, default=200, help="decode steps of the kept-positions map")
-    add_ruler_flags(parser)
-    return parser
 
 
 def add_ruler_flags(parser: argparse.ArgumentParser) -> None:

@@ -134,8 +134,9 @@ class _CachePrompt(Scored):
                                 chunk_size=args.repeat_chunk, budgets=self.budgets, pool=args.repeat_pool,
                                 surprisal=args.repeat_surprisal, share=share, width=args.repeat_share_width)
         passes = [p.onto(c) for p, c in zip(scored, cache)]
-        share_windows(passes, share_for(self.budgets, share), args.repeat_share_width)
-        absorb_passes(passes, spread_for(cache, len(ids), self.budgets), TAIL)
+        spread = spread_for(cache, len(ids), self.budgets)
+        share_windows(passes, share_for(spread, share), args.repeat_share_width)
+        absorb_passes(passes, spread, TAIL)
         return cache
 
 
