@@ -12,8 +12,10 @@ the model makes two passes:
    rows and the chunk are collected explicitly (the attention hook) and scored by
    `h2o_fn.retention` (KVzip's rule: the largest weight any repeat query pays a key),
    optionally pooled over the chunk (`pool`: a kept token keeps its neighbours), then
-   weighed by the surprisals (`surprisal`: what the model could not predict is kept first).
-   The repeat tokens' own keys and values are thrown away.
+   weighed by the surprisals (`surprisal`: what the model could not predict is kept first);
+   with a global selection the best windows of `width` tokens are then kept whole in every
+   head (`share` of the budget, `share_windows`). The repeat tokens' own keys and values
+   are thrown away.
 
 Both passes attend a slice of queries at a time (`weights_per_slice`: the hook's
 protocol), so a layer's attention weights stay within SLICE floats (one query's at the
