@@ -63,8 +63,9 @@ POOL = 1  # no pooling of the repeat pass's scores: 5 lost the natural-text key 
 # each chunk token's score times 1 + SURPRISAL * its surprisal over the chunk's mean (`retention.weigh`)
 SURPRISAL = 10.0
 # share of a head's budget for the best windows, kept whole in every head, with a global selection
-# (`share_windows`): the natural-text key at 8% kept 0.57 -> 0.72 (BENCHMARKS, "Natural text")
-SHARE = 0.5
+# (`share_windows`). Opt-in: 0.5 finds the natural-text key at 16% kept 0.50 -> 0.82 but costs RULER at
+# 2k tokens with 75-87.5% removed (BENCHMARKS, "Natural text")
+SHARE = 0.0
 WIDTH = 16  # tokens per window (`retention.shared`)
 
 
