@@ -71,9 +71,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         f"default {SURPRISAL})")
     parser.add_argument("--share", type=float, default=None,
                         help="share of a head's budget (0-1) for the prompt's best windows of --share-width tokens, "
-                        "kept whole in every layer and head; the rest is spread as --budgets says (default "
-                        f"{SHARE} with one selection over every layer: global, and auto below 45%% kept; 0 with layer "
-                        "and uniform)")
+                        "kept whole in every layer and head; the rest is spread as --budgets says (not with uniform; "
+                        f"default {SHARE}: off)")
     parser.add_argument("--share-width", type=int, default=WIDTH,
                         help=f"tokens per shared window (default {WIDTH})")
     parser.add_argument("--kvcache", action="store_true",
