@@ -327,10 +327,19 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
     share = share_for(budgets, share)
     for start in range(0, len(ids), chunk_size):
         passes = score_chunk(model, ids[start : start + chunk_size], layers, repeat_prefix, pool, surprisal)
-        share_windows(passes, share, width, min(start + chunk_size, len(ids)) / len(ids))
-        absorb_passes(passes, budgets, tail, cap)
+        keep_chunk(passes, budgets, share, width, min(start + chunk_size, len(ids)) / len(ids), tail, cap)
         mx.eval([c.state for c in layers])  # nothing lazy is left: serve hands the cache across threads
     return cache
+
+
+def keep_chunk(passes: List[ScoringPass], budgets: str, share: float = 0.0, width: int = WIDTH,
+               part: float = 1.0, tail: int = TAIL, cap: Optional[int] = None) -> None:
+    """One scored chunk into its caches, as `cache_prompt` keeps each: its best windows shared by
+    every head (`share_windows`, `part` the share of the prompt read with it), then every cache
+    keeps its budget as `budgets` spreads it (`absorb_passes`). `budgets` and `share` as resolved
+    for the whole prompt (`spread_for`, then `share_for`)."""
+    share_windows(passes, share, width, part)
+    absorb_passes(passes, budgets, tail, cap)
 
 
 def spread_for(layers: Sequence[Any], n: int, budgets: str = "auto") -> str:
