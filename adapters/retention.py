@@ -67,6 +67,7 @@ SURPRISAL = 10.0
 # 2k tokens with 75-87.5% removed (BENCHMARKS, "Natural text")
 SHARE = 0.0
 WIDTH = 16  # tokens per window (`retention.shared`)
+WINDOWS = 4  # at most this many windows in a prompt: a few spans, not half a long prompt's budget (RULER at 2k)
 
 
 def repeat_prefix(tokenizer) -> List[int]:
@@ -185,16 +186,19 @@ class ScoringPass:
         return mx.sum(held, axis=-1).astype(mx.int32)
 
 
-def share_windows(passes: List[ScoringPass], share: float, width: int = WIDTH, part: float = 1.0) -> None:
+def share_windows(passes: List[ScoringPass], share: float, width: int = WIDTH, part: float = 1.0,
+                  windows: Optional[int] = WINDOWS) -> None:
     """Mark in every pass the chunk's best windows of `width` tokens (`h2o_fn.retention.shared`,
     by each token's best score over every layer and head): their scores are raised by `SHARED`,
     so every selection keeps them whole in every head, first after the sinks, and a later
-    chunk keeps them too. With the windows earlier chunks shared they take at most `share` x
-    `part` of a head's budget (`part`: the share of the prompt read once this chunk is, so
-    that the first chunks of a long prompt leave room to the later ones); share 0: none."""
+    chunk keeps them too. With the windows earlier chunks shared they take at most `part` x
+    the smaller of `share` x a head's budget and `windows` x `width` tokens (`part`: the share
+    of the prompt read once this chunk is, so that the first chunks of a long prompt leave room
+    to the later ones; `windows` None: no bound); share 0: none."""
     if share <= 0:
         return
-    room = int(share * part * passes[0].cache.target_budget) - passes[0].shared_before()
+    most = share * passes[0].cache.target_budget
+    room = int(part * (most if windows is None else min(most, windows * width))) - passes[0].shared_before()
     mask = retention.shared([p.chunk_scores() for p in passes], width, room)
     for p in passes:
         p.shared = mask
@@ -258,7 +262,7 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
                  repeat_prefix: Sequence[int] = (), chunk_size: int = CHUNK, budgets: str = "auto",
                  tail: int = TAIL, cap: Optional[int] = None, pool: int = POOL,
                  surprisal: float = SURPRISAL, share: Optional[float] = None,
-                 width: int = WIDTH) -> List[Any]:
+                 width: int = WIDTH, windows: Optional[int] = WINDOWS) -> List[Any]:
     """Feed `prompt_ids` into `cache` (from `make_h2o_cache`) scored for questions not yet
     asked: afterwards every H2O layer and head holds at most its budget.
 
@@ -298,6 +302,7 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
         and "uniform" ("uniform" refuses more: each head keeps its own budget by the eviction
         rule, which pools scores).
       width: tokens per window (>= 1).
+      windows: at most this many windows in the prompt (>= 1; None: as many as `share` holds).
 
     Returns `cache`, for chaining. Costs about two prefills (the repeat pass attends over
     the kept rows and the chunk and materialises its weights, SLICE floats at a time).
@@ -322,23 +327,27 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
                          "shared by a selection across heads: 'global', 'layer' or 'auto')")
     if width < 1:
         raise ValueError(f"width={width} is invalid: expected >= 1 (tokens per window)")
+    if windows is not None and windows < 1:
+        raise ValueError(f"windows={windows} is invalid: expected >= 1 or None (no bound)")
     layers = _layers(cache)
     budgets = spread_for(layers, len(ids), budgets)
     share = share_for(budgets, share)
     for start in range(0, len(ids), chunk_size):
         passes = score_chunk(model, ids[start : start + chunk_size], layers, repeat_prefix, pool, surprisal)
-        keep_chunk(passes, budgets, share, width, min(start + chunk_size, len(ids)) / len(ids), tail, cap)
+        keep_chunk(passes, budgets, share, width, min(start + chunk_size, len(ids)) / len(ids), tail, cap,
+                   windows)
         mx.eval([c.state for c in layers])  # nothing lazy is left: serve hands the cache across threads
     return cache
 
 
 def keep_chunk(passes: List[ScoringPass], budgets: str, share: float = 0.0, width: int = WIDTH,
-               part: float = 1.0, tail: int = TAIL, cap: Optional[int] = None) -> None:
+               part: float = 1.0, tail: int = TAIL, cap: Optional[int] = None,
+               windows: Optional[int] = WINDOWS) -> None:
     """One scored chunk into its caches, as `cache_prompt` keeps each: its best windows shared by
     every head (`share_windows`, `part` the share of the prompt read with it), then every cache
     keeps its budget as `budgets` spreads it (`absorb_passes`). `budgets` and `share` as resolved
     for the whole prompt (`spread_for`, then `share_for`)."""
-    share_windows(passes, share, width, part)
+    share_windows(passes, share, width, part, windows)
     absorb_passes(passes, budgets, tail, cap)
 
 

@@ -243,14 +243,17 @@ def test_a_long_prompt_is_held_to_budget_in_every_layer(llama, chunk):
     assert logits.shape == (1, 101) and all(c.tokens_kept == cfg.budget for c in cache)
 
 
-@pytest.mark.parametrize("budgets", ["global", "layer"])
+@pytest.mark.parametrize("budgets, windows", [("global", None), ("layer", None), ("global", 1)])
 @pytest.mark.parametrize("chunk", [16, 64])
-def test_shared_windows_are_kept_whole_in_every_head_within_their_share(llama, chunk, budgets):
+def test_shared_windows_are_kept_whole_in_every_head_within_their_share(llama, chunk, budgets, windows):
     """share: the best windows of each chunk are in every layer and head, whole (aligned on the
-    chunk's start), and with the windows of earlier chunks they take at most share x budget."""
+    chunk's start), and with the windows of earlier chunks they take at most share x budget,
+    and at most `windows` x width tokens."""
     cfg, share, width = H2OConfig(budget=12, n_sink=1, grace=2), 0.5, 3
+    most = share * cfg.budget if windows is None else min(share * cfg.budget, windows * width)
     cache = make_h2o_cache(llama, cfg)
-    cache_prompt(llama, PROMPT, cache, chunk_size=chunk, budgets=budgets, share=share, width=width)
+    cache_prompt(llama, PROMPT, cache, chunk_size=chunk, budgets=budgets, share=share, width=width,
+                 windows=windows)
     shared = None
     for c in cache:
         core = c.core_state
@@ -261,9 +264,9 @@ def test_shared_windows_are_kept_whole_in_every_head_within_their_share(llama, c
         assert heads[0] == shared  # and every layer
         kept = [set(head) for head in kept_positions(core).tolist()[0]]
         assert all(shared <= k for k in kept)
-    assert 0 < len(shared) <= int(share * cfg.budget)
+    assert 0 < len(shared) <= int(most)
     first = min(chunk, len(PROMPT))  # the first chunk shares at most its part of the room
-    assert len([p for p in shared if p < first]) <= int(share * first / len(PROMPT) * cfg.budget)
+    assert len([p for p in shared if p < first]) <= int(first / len(PROMPT) * most)
     for p in shared:  # whole windows, cut from each chunk's first token
         start = p // chunk * chunk + (p % chunk) // width * width
         assert set(range(start, min(start + width, (p // chunk + 1) * chunk, len(PROMPT)))) <= shared
@@ -278,6 +281,8 @@ def test_cache_prompt_rejects_a_share_outside_0_1_and_a_width_below_one(llama):
         cache_prompt(llama, PROMPT, cache, share=1.5)
     with pytest.raises(ValueError, match="width=0 is invalid: expected >= 1"):
         cache_prompt(llama, PROMPT, cache, share=0.5, width=0)
+    with pytest.raises(ValueError, match=r"windows=0 is invalid: expected >= 1 or None \(no bound\)"):
+        cache_prompt(llama, PROMPT, cache, share=0.5, windows=0)
     with pytest.raises(ValueError, match="share=0.5 is invalid with budgets='uniform': expected 0 or None"):
         cache_prompt(llama, PROMPT, cache, share=0.5, budgets="uniform")
 

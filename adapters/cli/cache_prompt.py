@@ -32,7 +32,7 @@ from ..attention import query_scoring
 from ..export import to_kvcache
 from ..mlx_lm import h2o_caches, keep_views, make_h2o_cache, shares_kv
 from ..metrics import describe_kept, kept_summary
-from ..retention import BUDGETS, CHUNK, POOL, SHARE, SURPRISAL, TAIL, WIDTH, cache_prompt, repeat_prefix
+from ..retention import BUDGETS, CHUNK, POOL, SHARE, SURPRISAL, TAIL, WIDTH, WINDOWS, cache_prompt, repeat_prefix
 from . import common
 
 FORMAT = "h2o-fn compressed prompt cache 1"  # metadata["format"]: what generate checks first
@@ -75,6 +75,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         f"default {SHARE}: off)")
     parser.add_argument("--share-width", type=int, default=WIDTH,
                         help=f"tokens per shared window (default {WIDTH})")
+    parser.add_argument("--share-windows", type=int, default=WINDOWS,
+                        help=f"at most this many shared windows in the prompt (0: as many as --share holds; "
+                        f"default {WINDOWS})")
     parser.add_argument("--kvcache", action="store_true",
                         help="save mlx-lm's plain KVCache instead (the kept keys re-rotated to consecutive "
                         "positions, h2o_fn.adapters.export): unmodified mlx_lm.generate --prompt-cache-file "
@@ -152,11 +155,14 @@ def main(argv: Optional[List[str]] = None) -> None:
                      "expected 0 (windows are shared by a selection across heads)")
     if args.share_width < 1:
         parser.error(f"--share-width {args.share_width} is invalid: expected >= 1")
+    if args.share_windows < 0:
+        parser.error(f"--share-windows {args.share_windows} is invalid: expected >= 0 (0: no bound)")
     with query_scoring(model):
         cache = make_h2o_cache(model, config, **options)
         cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(tokenizer), chunk_size=args.chunk_size,
                      budgets=spread, tail=args.tail, pool=args.repeat_pool,
-                     surprisal=args.repeat_surprisal, share=args.share, width=args.share_width)
+                     surprisal=args.repeat_surprisal, share=args.share, width=args.share_width,
+                     windows=args.share_windows or None)
     seconds = time.perf_counter() - start
     summary = kept_summary(h2o_caches(cache))
     if args.kvcache:

@@ -43,7 +43,7 @@ from h2o_fn.allocation import POLICIES
 
 from ..attention import query_scoring
 from ..metrics import HAYSTACKS
-from ..retention import CHUNK, POOL, SHARE, SURPRISAL, WIDTH
+from ..retention import CHUNK, POOL, SHARE, SURPRISAL, WIDTH, WINDOWS
 from . import common, plots
 from .quality import agree, frontier, kept_map, mass, passkey, peak, ppl, ruler, ruler_merge, sweep
 from .quality.ruler_methods import METHODS as RULER_METHODS
@@ -128,6 +128,8 @@ def add_repeat_flags(parser: argparse.ArgumentParser) -> None:
                         f"head (not with uniform; default {SHARE}: off)")
     parser.add_argument("--repeat-share-width", type=int, default=WIDTH,
                         help=f"cache_prompt's tokens per shared window (default {WIDTH})")
+    parser.add_argument("--repeat-share-windows", type=int, default=WINDOWS,
+                        help=f"cache_prompt's most shared windows in a prompt (0: no bound; default {WINDOWS})")
 
 
 def add_ruler_flags(parser: argparse.ArgumentParser) -> None:

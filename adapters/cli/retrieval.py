@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from ..export import to_kvcache
 from ..metrics import greedy
-from ..retention import POOL, SURPRISAL, WIDTH, cache_prompt
+from ..retention import POOL, SURPRISAL, WIDTH, WINDOWS, cache_prompt
 
 PROTOCOLS = ("aware", "agnostic")
 PREFILL_STEP = 2048  # generate_step's prefill step: the context is one chunk here
@@ -38,7 +38,7 @@ def compress(model, spec: dict, ids: Sequence[int], cache: list, repeat_prefix: 
         cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix, chunk_size=spec["chunk"],
                      budgets=spec.get("spread", "auto"), pool=spec.get("pool", POOL),
                      surprisal=spec.get("surprisal", SURPRISAL), share=spec.get("share"),
-                     width=spec.get("width", WIDTH))
+                     width=spec.get("width", WIDTH), windows=spec.get("windows", WINDOWS))
         if spec["family"] == "repeat-kvcache":  # what unmodified mlx-lm would load (cache-prompt --kvcache)
             cache[:] = to_kvcache(model, cache)
     else:
