@@ -112,6 +112,18 @@ def test_a_bad_combination_is_an_argparse_error(capsys):
     assert "n_sink + grace" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--share-windows", "-1"], "--share-windows -1 is invalid: expected >= 0"),
+    (["--share", "0.5", "--kvcache"], "--share 0.5 is invalid with uniform budgets"),
+    (["--share-width", "0"], "--share-width 0 is invalid: expected >= 1"),
+])
+def test_cache_prompt_refuses_bad_reading_flags_before_loading_the_model(capsys, tmp_path, flags, message):
+    with pytest.raises(SystemExit) as e:
+        cache_prompt.main(["--prompt", "x", "--prompt-cache-file", str(tmp_path / "c.safetensors"),
+                           "--model", str(tmp_path / "missing"), *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_model_flag_rejects_what_it_cannot_load(tmp_path):
     with pytest.raises(ValueError, match="no such file"):
         common.load_model(str(tmp_path / "missing"))

@@ -119,23 +119,9 @@ def metadata(args, tokenizer, policy, chat: bool, seen: int) -> dict:
     }
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    parser = setup_arg_parser()
-    args = parser.parse_args(argv)
-    if args.chunk_size < 1:
-        parser.error(f"--chunk-size {args.chunk_size} is invalid: expected at least 1")
-    out = Path(args.prompt_cache_file)
-    if out.suffix != ".safetensors":
-        parser.error(f"--prompt-cache-file {out} is invalid: expected a .safetensors file name")
-    config = common.policy_or_error(parser, args, args.budget)
-    options = common.cache_options(parser, args)
-    model, tokenizer = common.load_or_exit("cache-prompt", args.model, dequantize=True)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if not prompt.strip():
-        parser.error("--prompt is empty: expected text to cache")
-    chat = not args.ignore_chat_template and tokenizer.chat_template is not None
-    ids = prompt_ids(tokenizer, prompt, chat, args.system_prompt)
-    start = time.perf_counter()
+def _reading_or_error(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """How the prompt is read, checked: the budgets' spread (uniform with --kvcache), then the
+    repeat pass's and the shared windows' flags; exits through `parser.error` on a bad one."""
     spread = args.budgets
     if args.kvcache and spread != "uniform":  # a plain KVCache holds one count for every head
         spread = "uniform"
@@ -157,6 +143,27 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error(f"--share-width {args.share_width} is invalid: expected >= 1")
     if args.share_windows < 0:
         parser.error(f"--share-windows {args.share_windows} is invalid: expected >= 0 (0: no bound)")
+    return spread
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    if args.chunk_size < 1:
+        parser.error(f"--chunk-size {args.chunk_size} is invalid: expected at least 1")
+    out = Path(args.prompt_cache_file)
+    if out.suffix != ".safetensors":
+        parser.error(f"--prompt-cache-file {out} is invalid: expected a .safetensors file name")
+    config = common.policy_or_error(parser, args, args.budget)
+    options = common.cache_options(parser, args)
+    spread = _reading_or_error(parser, args)
+    model, tokenizer = common.load_or_exit("cache-prompt", args.model, dequantize=True)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        parser.error("--prompt is empty: expected text to cache")
+    chat = not args.ignore_chat_template and tokenizer.chat_template is not None
+    ids = prompt_ids(tokenizer, prompt, chat, args.system_prompt)
+    start = time.perf_counter()
     with query_scoring(model):
         cache = make_h2o_cache(model, config, **options)
         cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(tokenizer), chunk_size=args.chunk_size,
