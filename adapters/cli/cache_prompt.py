@@ -75,7 +75,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         f"default {SHARE}: off)")
     parser.add_argument("--share-width", type=int, default=WIDTH,
                         help=f"tokens per shared window (default {WIDTH})")
-    parser.add_argument("--share-windows", type=int, default=WINDOWS,
+    parser.add_argument("--share-windows", type=common.count_or_none, default=WINDOWS,
                         help=f"at most this many shared windows in the prompt (0: as many as --share holds; "
                         f"default {WINDOWS})")
     parser.add_argument("--kvcache", action="store_true",
@@ -141,7 +141,7 @@ def _reading_or_error(parser: argparse.ArgumentParser, args: argparse.Namespace)
                      "expected 0 (windows are shared by a selection across heads)")
     if args.share_width < 1:
         parser.error(f"--share-width {args.share_width} is invalid: expected >= 1")
-    if args.share_windows < 0:
+    if args.share_windows is not None and args.share_windows < 0:
         parser.error(f"--share-windows {args.share_windows} is invalid: expected >= 0 (0: no bound)")
     return spread
 
@@ -169,7 +169,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(tokenizer), chunk_size=args.chunk_size,
                      budgets=spread, tail=args.tail, pool=args.repeat_pool,
                      surprisal=args.repeat_surprisal, share=args.share, width=args.share_width,
-                     windows=args.share_windows or None)
+                     windows=args.share_windows)
     seconds = time.perf_counter() - start
     summary = kept_summary(h2o_caches(cache))
     if args.kvcache:

@@ -56,6 +56,11 @@ def model_name(spec: Optional[str]) -> str:
     return DEFAULT_MODEL if spec is None else spec
 
 
+def count_or_none(text: str) -> Optional[int]:
+    """A flag's count where 0 means no bound: `--share-windows 0` -> None, as `cache_prompt` takes it."""
+    return int(text) or None
+
+
 def load_model(spec: Optional[str] = None, dequantize: bool = False):
     """`(model, tokenizer)` for `--model`: None (the bundled GGUF), a `.gguf` file, an
     mlx-lm model directory or a hub id (both through `mlx_lm.load`).

@@ -128,7 +128,7 @@ def add_repeat_flags(parser: argparse.ArgumentParser) -> None:
                         f"head (not with uniform; default {SHARE}: off)")
     parser.add_argument("--repeat-share-width", type=int, default=WIDTH,
                         help=f"cache_prompt's tokens per shared window (default {WIDTH})")
-    parser.add_argument("--repeat-share-windows", type=int, default=WINDOWS,
+    parser.add_argument("--repeat-share-windows", type=common.count_or_none, default=WINDOWS,
                         help=f"cache_prompt's most shared windows in a prompt (0: no bound; default {WINDOWS})")
 
 

@@ -25,7 +25,7 @@ def retrieval_specs(run: Run) -> List[dict]:
                     "chunk": chunk, "pool": run.args.repeat_pool,
                     "surprisal": run.args.repeat_surprisal,
                     "share": None if spread == "uniform" else run.args.repeat_share,
-                    "width": run.args.repeat_share_width, "windows": run.args.repeat_share_windows or None}
+                    "width": run.args.repeat_share_width, "windows": run.args.repeat_share_windows}
             specs.append(spec if spread is None else {**spec, "spread": spread})
     return [s for s in specs if s["family"] == "full" or s["family"] in run.args.caches]
 

@@ -132,11 +132,11 @@ class _CachePrompt(Scored):
             return cache_prompt(model, ids, cache, repeat_prefix=repeat_prefix(self.run.tokenizer),
                                 chunk_size=args.repeat_chunk, budgets=self.budgets, pool=args.repeat_pool,
                                 surprisal=args.repeat_surprisal, share=share, width=args.repeat_share_width,
-                                windows=args.repeat_share_windows or None)
+                                windows=args.repeat_share_windows)
         passes = [p.onto(c) for p, c in zip(scored, cache)]
         spread = spread_for(cache, len(ids), self.budgets)
         keep_chunk(passes, spread, share_for(spread, share), args.repeat_share_width,
-                   windows=args.repeat_share_windows or None)
+                   windows=args.repeat_share_windows)
         return cache
 
 
