@@ -36,7 +36,7 @@ Example:
 """
 
 import copy
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -210,6 +210,13 @@ def share_for(budgets: str, share: Optional[float]) -> float:
     return (SHARE if budgets == "global" else 0.0) if share is None else share
 
 
+def reading_for(layers: Sequence[Any], n: int, budgets: str, share: Optional[float]) -> Tuple[str, float]:
+    """`cache_prompt`'s `budgets` and `share` resolved for a prompt of `n` more tokens read into
+    `layers`, as `keep_chunk` takes them: `spread_for`, then `share_for`."""
+    spread = spread_for(layers, n, budgets)
+    return spread, share_for(spread, share)
+
+
 def _layers(cache: Sequence[Any]) -> List[Any]:
     bad = [type(c).__name__ for c in cache if isinstance(c, mlx_cache.CacheList)]
     if bad:
@@ -330,8 +337,7 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
     if windows is not None and windows < 1:
         raise ValueError(f"windows={windows} is invalid: expected >= 1 or None (no bound)")
     layers = _layers(cache)
-    budgets = spread_for(layers, len(ids), budgets)
-    share = share_for(budgets, share)
+    budgets, share = reading_for(layers, len(ids), budgets, share)
     for start in range(0, len(ids), chunk_size):
         passes = score_chunk(model, ids[start : start + chunk_size], layers, repeat_prefix, pool, surprisal)
         keep_chunk(passes, budgets, share, width, min(start + chunk_size, len(ids)) / len(ids), tail, cap,
@@ -346,7 +352,7 @@ def keep_chunk(passes: List[ScoringPass], budgets: str, share: float = 0.0, widt
     """One scored chunk into its caches, as `cache_prompt` keeps each: its best windows shared by
     every head (`share_windows`, `part` the share of the prompt read with it), then every cache
     keeps its budget as `budgets` spreads it (`absorb_passes`). `budgets` and `share` as resolved
-    for the whole prompt (`spread_for`, then `share_for`)."""
+    for the whole prompt (`reading_for`)."""
     share_windows(passes, share, width, part, windows)
     absorb_passes(passes, budgets, tail, cap)
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 
 from ...mlx_lm import make_h2o_cache
 from ...cache import H2OKVCache
-from ...retention import cache_prompt, keep_chunk, repeat_prefix, score_chunk, share_for, spread_for
+from ...retention import cache_prompt, keep_chunk, reading_for, repeat_prefix, score_chunk
 from ..baselines import Baseline, build
 from ..retrieval import prefill
 
@@ -134,8 +134,7 @@ class _CachePrompt(Scored):
                                 surprisal=args.repeat_surprisal, share=share, width=args.repeat_share_width,
                                 windows=args.repeat_share_windows)
         passes = [p.onto(c) for p, c in zip(scored, cache)]
-        spread = spread_for(cache, len(ids), self.budgets)
-        keep_chunk(passes, spread, share_for(spread, share), args.repeat_share_width,
+        keep_chunk(passes, *reading_for(cache, len(ids), self.budgets, share), args.repeat_share_width,
                    windows=args.repeat_share_windows)
         return cache
 
