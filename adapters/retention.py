@@ -204,17 +204,12 @@ def share_windows(passes: List[ScoringPass], share: float, width: int = WIDTH, p
         p.shared = mask
 
 
-def share_for(budgets: str, share: Optional[float]) -> float:
-    """`cache_prompt`'s `share` resolved for `budgets` as `spread_for` resolves it: as given,
-    else `SHARE` with "global" and 0 with "layer" or "uniform"."""
-    return (SHARE if budgets == "global" else 0.0) if share is None else share
-
-
 def reading_for(layers: Sequence[Any], n: int, budgets: str, share: Optional[float]) -> Tuple[str, float]:
     """`cache_prompt`'s `budgets` and `share` resolved for a prompt of `n` more tokens read into
-    `layers`, as `keep_chunk` takes them: `spread_for`, then `share_for`."""
+    `layers`, as `keep_chunk` takes them: the spread by `spread_for`; the share as given, else
+    `SHARE` where the spread is "global" and 0 with "layer" or "uniform"."""
     spread = spread_for(layers, n, budgets)
-    return spread, share_for(spread, share)
+    return spread, (SHARE if spread == "global" else 0.0) if share is None else share
 
 
 def _layers(cache: Sequence[Any]) -> List[Any]:
