@@ -10,7 +10,8 @@
   caches attend with on the CPU): how much of a ratio is the attention, not the cache.
   With --mx-ops-baseline, also H2O key and query running each decode token as the core's
   mlx ops beside the C++ ops the adapter takes on the CPU (`h2o_fn.metal_ops.cpu_step`).
-- prefill: a 4,096-token prompt at budget 512: full vs H2O greedy vs oneshot.
+- prefill: a 4,096-token prompt at budget 512: full vs H2O greedy vs oneshot, and the
+  reading cost of `cache_prompt` (KVzip's repeat pass), with and without shared windows.
 - profile: where a compiled decode step's time goes, part by part (the core's public
   parts: admit, key_weights, protected_argmin, evict, step; and admit + settle_key from
   the logits attention computed: what key scoring pays outside attention under the hook);
@@ -57,8 +58,12 @@ from .. import attention
 from ..attention import query_scoring
 from ..metrics import corpus_tokens
 from ..mlx_lm import DEFAULT_PROMPT, H2OKVCache, make_h2o_cache
+from ..retention import CHUNK, cache_prompt, repeat_prefix
 from . import baselines, common
 from .baselines import Baseline
+
+
+SHARE_ROW = 0.5  # bench prefill's cache_prompt row with shared windows (the opt-in BENCHMARKS measures)
 
 
 def h2o_cache(model, config, **options) -> list:
@@ -451,29 +456,41 @@ def bench_decode(model, tokens, contexts, caches: dict, steps, chunk, rounds: in
     return rows
 
 
-def bench_prefill(model, tokens, policy, budget, kv_bits, group_size, chunk, repeats) -> list:
-    rows = []
+def read_prompt(model, tokens, cache, prefix, share) -> float:
+    """`cache_prompt` of `tokens` into `cache` (its defaults, `share` of the budget in shared windows); seconds."""
+    t = time.perf_counter()
+    cache_prompt(model, tokens, cache, repeat_prefix=prefix, share=share)
+    return time.perf_counter() - t
+
+
+def bench_prefill(model, tokens, policy, budget, kv_bits, group_size, chunk, repeats, prefix=()) -> list:
+    """Each cache reads `tokens` (in steps of `chunk`; `cache_prompt`'s rows in its own chunks of
+    CHUNK, with the repeat instruction `prefix`), the best of `repeats`: seconds and peak."""
+    oneshot = lambda scoring, **options: lambda: h2o_cache(model, policy(budget, scoring=scoring, prefill="oneshot"),
+                                                           **options)
     variants = {
         "full KVCache": lambda: baselines.build(model, Baseline("full")),
-        f"H2O key greedy ({budget})": lambda: h2o_cache(
-            model, policy(budget, scoring="key", prefill="greedy")),
-        f"H2O key oneshot ({budget})": lambda: h2o_cache(
-            model, policy(budget, scoring="key", prefill="oneshot")),
-        f"H2O query oneshot ({budget})": lambda: h2o_cache(
-            model, policy(budget, scoring="query", prefill="oneshot")),
+        f"H2O key greedy ({budget})": lambda: h2o_cache(model, policy(budget, scoring="key", prefill="greedy")),
+        f"H2O key oneshot ({budget})": oneshot("key"),
+        f"H2O query oneshot ({budget})": oneshot("query"),
     }
     if kv_bits:
         for scoring in ("key", "query"):
-            variants[f"H2O {scoring} oneshot ({budget}, {kv_bits}-bit)"] = (
-                lambda s=scoring: h2o_cache(model, policy(budget, scoring=s, prefill="oneshot"),
-                                            kv_bits=kv_bits, kv_group_size=group_size))
+            variants[f"H2O {scoring} oneshot ({budget}, {kv_bits}-bit)"] = oneshot(
+                scoring, kv_bits=kv_bits, kv_group_size=group_size)
+    reads = {name: lambda cache: fill(model, cache, tokens, chunk) for name in variants}
+    for share in (None, SHARE_ROW):  # the reading cost of cache_prompt, with and without shared windows
+        name = f"H2O cache_prompt ({budget}, chunks of {CHUNK}{'' if share is None else f', share {share}'})"
+        variants[name] = oneshot("query")
+        reads[name] = lambda cache, share=share: read_prompt(model, tokens, cache, prefix, share)
+    rows = []
     for name, make in variants.items():
         runs = []
         for _ in range(repeats):
             mx.clear_cache()
             base = mx.get_active_memory()
             mx.reset_peak_memory()
-            runs.append((fill(model, make(), tokens, chunk), mx.get_peak_memory() - base))
+            runs.append((reads[name](make()), mx.get_peak_memory() - base))
         sec, peak = min(runs)
         rows.append({"cache": name, "tokens": len(tokens), "chunk": chunk, "seconds": sec, "peak_bytes": peak})
         print(f"prefill {len(tokens)} tokens {name:30s} {sec:7.2f} s, peak {peak / 2**20:7.1f} MiB above the weights",
@@ -651,7 +668,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                                      "rows": rows}
             if "prefill" in args.what:
                 results["prefill"] = bench_prefill(model, tokens[: args.prefill_tokens], policy, args.budget,
-                                                   args.kv_bits, args.kv_group_size, args.prefill_chunk, 1)
+                                                   args.kv_bits, args.kv_group_size, args.prefill_chunk, 1,
+                                                   repeat_prefix(tokenizer))
     (out / "bench.json").write_text(json.dumps(results, indent=1))
     (out / "bench.md").write_text(markdown(results))
     print("\n" + markdown(results))
