@@ -65,7 +65,7 @@ SURPRISAL = 10.0
 # share of a head's budget for the best windows, kept whole in every head, with a global selection
 # (`share_windows`). Opt-in: 0.5 finds the natural-text key at 16% kept 0.50 -> 0.82 but, even with at
 # most WINDOWS of them, costs RULER at 2k tokens with 87.5% removed read as one chunk (not in chunks of 512;
-# RULER at three quarters removed in chunks not yet measured with them: BENCHMARKS, "Natural text")
+# at three quarters removed in chunks: 1k within 5 points, 2k not yet measured: BENCHMARKS, "Natural text")
 SHARE = 0.0
 WIDTH = 16  # tokens per window (`retention.shared`)
 WINDOWS = 4  # at most this many windows in a prompt: a few spans, not half a long prompt's budget (RULER at 2k)
