@@ -265,7 +265,8 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
                  repeat_prefix: Sequence[int] = (), chunk_size: int = CHUNK, budgets: str = "auto",
                  tail: int = TAIL, cap: Optional[int] = None, pool: int = POOL,
                  surprisal: float = SURPRISAL, share: Optional[float] = None,
-                 width: int = WIDTH, windows: Optional[int] = WINDOWS) -> List[Any]:
+                 width: int = WIDTH, windows: Optional[int] = WINDOWS,
+                 within: Optional[Tuple[int, int]] = None) -> List[Any]:
     """Feed `prompt_ids` into `cache` (from `make_h2o_cache`) scored for questions not yet
     asked: afterwards every H2O layer and head holds at most its budget.
 
@@ -306,6 +307,9 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
         rule, which pools scores).
       width: tokens per window (>= 1).
       windows: at most this many windows in the prompt (>= 1; None: as many as `share` holds).
+      within: `(start, total)` when `prompt_ids` is the slice from token `start` of a prompt of
+        `total` tokens, read one slice per call (serve): the spread and the windows' room are the
+        whole prompt's, so the slices keep what one call would (None: `prompt_ids` is the prompt).
 
     Returns `cache`, for chaining. Costs about two prefills (the repeat pass attends over
     the kept rows and the chunk and materialises its weights, SLICE floats at a time).
@@ -332,11 +336,15 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
         raise ValueError(f"width={width} is invalid: expected >= 1 (tokens per window)")
     if windows is not None and windows < 1:
         raise ValueError(f"windows={windows} is invalid: expected >= 1 or None (no bound)")
+    first, total = (0, len(ids)) if within is None else within
+    if first < 0 or first + len(ids) > total:
+        raise ValueError(f"within={within} is invalid: expected (start, total) with 0 <= start and start + "
+                         f"{len(ids)} (the slice's tokens) <= total")
     layers = _layers(cache)
-    budgets, share = reading_for(layers, len(ids), budgets, share)
+    budgets, share = reading_for(layers, total - first, budgets, share)
     for start in range(0, len(ids), chunk_size):
         passes = score_chunk(model, ids[start : start + chunk_size], layers, repeat_prefix, pool, surprisal)
-        keep_chunk(passes, budgets, share, width, min(start + chunk_size, len(ids)) / len(ids), tail, cap,
+        keep_chunk(passes, budgets, share, width, (first + min(start + chunk_size, len(ids))) / total, tail, cap,
                    windows)
         mx.eval([c.state for c in layers])  # nothing lazy is left: serve hands the cache across threads
     return cache

@@ -345,6 +345,27 @@ def test_auto_spreads_per_layer_from_layer_from_of_the_prompt_kept(llama):
     assert spread_for(auto, more) == "layer" and spread_for(auto, more + 1) == "global"
 
 
+def test_a_prompt_read_in_slices_within_it_keeps_what_one_call_keeps(llama):
+    """within=(start, total): serve reads a long prompt one slice per call; each slice is spread
+    as the whole prompt is ("auto" on all of it: "global" here, where the first slice alone would
+    be "layer") and its windows take their part of the prompt's room, so the kept sets are one
+    call's, bit for bit."""
+    cfg, size = H2OConfig(budget=12, n_sink=1, grace=2), 16
+    assert spread_for(make_h2o_cache(llama, cfg), size) == "layer" != spread_for(make_h2o_cache(llama, cfg), len(PROMPT))
+    one, sliced = make_h2o_cache(llama, cfg), make_h2o_cache(llama, cfg)
+    cache_prompt(llama, PROMPT, one, chunk_size=size, share=0.5, width=3)
+    for start in range(0, len(PROMPT), size):
+        cache_prompt(llama, PROMPT[start : start + size], sliced, chunk_size=size, share=0.5, width=3,
+                     within=(start, len(PROMPT)))
+    for a, b in zip(one, sliced):
+        assert a.tokens_per_head == b.tokens_per_head
+        assert np.array_equal(np.array(a.core_state.positions), np.array(b.core_state.positions))
+        assert np.array_equal(np.array(a.core_state.scores), np.array(b.core_state.scores))
+    for bad in [(-1, 40), (30, 40)]:
+        with pytest.raises(ValueError, match=rf"within=\({bad[0]}, 40\) is invalid: expected \(start, total\)"):
+            cache_prompt(llama, PROMPT[:16], make_h2o_cache(llama, cfg), within=bad)
+
+
 def test_a_cap_bounds_every_head_and_so_every_layers_slots(llama):
     """cap=: no head keeps more than cap tokens, the total is still kept (the others take
     the rest), and each layer's budget (its slots per head) is at most cap + tail."""

@@ -496,9 +496,10 @@ class PromptReader:
         """Read the next slice of `reading.head` into its cache; True once all of it is read."""
         done = reading.done[0]
         part = reading.head[done : done + self.slice]
-        # tail: each head takes the generator's tail (the question) after its selection before evicting
+        # tail: each head takes the generator's tail (the question) after its selection before evicting;
+        # within: each slice is spread, and shares windows, as the whole head read in one call would be
         cache_prompt(self.provider.model, part, reading.cache, repeat_prefix=repeat_prefix(self.provider.tokenizer),
-                     chunk_size=self.slice, tail=self.tail)
+                     chunk_size=self.slice, tail=self.tail, within=(done, len(reading.head)))
         reading.done[0] = done + len(part)
         if reading.done[0] < len(reading.head):
             return False
