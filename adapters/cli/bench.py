@@ -63,9 +63,6 @@ from . import baselines, common
 from .baselines import Baseline
 
 
-SHARE_ROW = 0.5  # bench prefill's cache_prompt row with shared windows (the opt-in BENCHMARKS measures)
-
-
 def h2o_cache(model, config, **options) -> list:
     """`make_h2o_cache` with the commands' default prompt scoring (`DEFAULT_PROMPT`: bench
     has no --window/--pool flags) unless `options` say otherwise."""
@@ -457,7 +454,8 @@ def bench_decode(model, tokens, contexts, caches: dict, steps, chunk, rounds: in
 
 
 def read_prompt(model, tokens, cache, prefix, share) -> float:
-    """`cache_prompt` of `tokens` into `cache` (its defaults, `share` of the budget in shared windows); seconds."""
+    """`cache_prompt` of `tokens` into `cache` (its defaults; `share` of the budget in shared windows, None:
+    its default); seconds."""
     t = time.perf_counter()
     cache_prompt(model, tokens, cache, repeat_prefix=prefix, share=share)
     return time.perf_counter() - t
@@ -478,9 +476,9 @@ def bench_prefill(model, tokens, policy, budget, kv_bits, group_size, chunk, rep
         for scoring in ("key", "query"):
             variants[f"H2O {scoring} oneshot ({budget}, {kv_bits}-bit)"] = oneshot(
                 scoring, kv_bits=kv_bits, kv_group_size=group_size)
-    reads = {}  # rows read otherwise than by `fill`: cache_prompt, with and without shared windows
-    for share in (None, SHARE_ROW):
-        name = f"H2O cache_prompt ({budget}, chunks of {CHUNK}{'' if share is None else f', share {share}'})"
+    reads = {}  # rows read otherwise than by `fill`: cache_prompt as it is, and without shared windows
+    for share in (None, 0.0):
+        name = f"H2O cache_prompt ({budget}, chunks of {CHUNK}{'' if share is None else ', no shared windows'})"
         variants[name] = oneshot("query")
         reads[name] = lambda cache, share=share: read_prompt(model, tokens, cache, prefix, share)
     rows = []

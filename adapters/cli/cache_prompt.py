@@ -72,7 +72,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--share", type=float, default=None,
                         help="share of a head's budget (0-1) for the prompt's best windows of --share-width tokens, "
                         "kept whole in every layer and head; the rest is spread as --budgets says (not with uniform; "
-                        f"default {SHARE}: off)")
+                        f"default {SHARE} with a global selection, 0 with layer; 0: none)")
     parser.add_argument("--share-width", type=int, default=WIDTH,
                         help=f"tokens per shared window (default {WIDTH})")
     parser.add_argument("--share-windows", type=common.count_or_none, default=WINDOWS,

@@ -125,7 +125,7 @@ def add_repeat_flags(parser: argparse.ArgumentParser) -> None:
                         f"(default {SURPRISAL}; 0: none)")
     parser.add_argument("--repeat-share", type=float, default=None,
                         help="cache_prompt's share of a head's budget for the best windows, kept whole in every "
-                        f"head (not with uniform; default {SHARE}: off)")
+                        f"head (not with uniform; default {SHARE} with a global selection, 0 with layer; 0: none)")
     parser.add_argument("--repeat-share-width", type=int, default=WIDTH,
                         help=f"cache_prompt's tokens per shared window (default {WIDTH})")
     parser.add_argument("--repeat-share-windows", type=common.count_or_none, default=WINDOWS,
