@@ -65,6 +65,7 @@ SURPRISAL = 10.0
 # share of a head's budget for the best windows, kept whole in every head, with a global selection
 # (`share_windows`): the natural-text key at 8 / 16% kept 0.57 / 0.50 -> 0.72 / 0.82; RULER at three quarters
 # removed level (1k 45.7 -> 46.0, 2k 42.0 -> 42.5; full 45.3 / 42.9); at 87.5% 1k -5.7, 2k +4.8 (BENCHMARKS)
+# 2k-token prompts lose a little (the key at 8% kept 8 -> 6 of 20, serve 11 -> 8 of 20): a chunk holds ~1 window
 SHARE = 0.5
 WIDTH = 16  # tokens per window (`retention.shared`)
 WINDOWS = 4  # at most this many windows in a prompt: a few spans, not half a long prompt's budget (RULER at 2k)
