@@ -351,8 +351,8 @@ def test_a_prompt_read_in_slices_within_it_keeps_what_one_call_keeps(llama):
     be "layer") and its windows take their part of the prompt's room, so the kept sets are one
     call's, bit for bit."""
     cfg, size = H2OConfig(budget=12, n_sink=1, grace=2), 16
-    assert spread_for(make_h2o_cache(llama, cfg), size) == "layer" != spread_for(make_h2o_cache(llama, cfg), len(PROMPT))
     one, sliced = make_h2o_cache(llama, cfg), make_h2o_cache(llama, cfg)
+    assert spread_for(one, size) == "layer" != spread_for(one, len(PROMPT))
     cache_prompt(llama, PROMPT, one, chunk_size=size, share=0.5, width=3)
     for start in range(0, len(PROMPT), size):
         cache_prompt(llama, PROMPT[start : start + size], sliced, chunk_size=size, share=0.5, width=3,
