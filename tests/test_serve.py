@@ -345,6 +345,13 @@ def test_flags_it_cannot_honour_are_refused_with_the_reason(argv, capsys):
     assert "not available with h2o-fn serve" in capsys.readouterr().err
 
 
+def test_a_prompt_share_outside_0_1_stops_the_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--prompt-share", "1.5"])
+    assert e.value.code == 2
+    assert "--prompt-share 1.5 is invalid: expected 0 <= share <= 1" in capsys.readouterr().err
+
+
 def test_serve_is_a_command():
     from h2o_fn import __main__
 
@@ -645,6 +652,30 @@ def test_a_long_prompt_is_read_with_the_repeat_pass_and_its_entry_answers_the_ne
 
         provider.undo()
         remove_query_hook(model)  # hooks patch module globals: leave the module as found
+
+
+def test_the_prompt_share_reaches_every_slices_cache_prompt(monkeypatch):
+    """--prompt-share: each slice is read with that share of the budget for shared windows (None:
+    cache_prompt's default); a share outside 0-1 is refused before any prompt is read."""
+    from tiny_models import tiny_model
+
+    seen = []
+    real = serve.cache_prompt
+    monkeypatch.setattr(serve, "cache_prompt", lambda *a, **kw: (seen.append(kw["share"]), real(*a, **kw))[1])
+    model = tiny_model("llama")
+    provider = _Provider(model, H2OConfig(budget=12, n_sink=1, grace=2), Prompt(window=6))
+    try:
+        doc = [(7 * i) % 101 for i in range(1, 41)]
+        for share in (0.0, None):
+            _read_all(serve.PromptReader(provider, tail=6, slice_tokens=16, share=share), None, doc)
+        assert seen == [0.0] * 3 + [None] * 3
+        with pytest.raises(ValueError, match=r"share=1.5 is invalid: expected 0 <= share <= 1"):
+            serve.PromptReader(provider, tail=6, share=1.5)
+    finally:
+        from h2o_fn.adapters.attention import remove_query_hook
+
+        provider.undo()
+        remove_query_hook(model)
 
 
 # ---------------------------------------------------------------- hostile and abandoned requests

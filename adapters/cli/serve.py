@@ -36,7 +36,7 @@ from .. import allocation
 from ..at_rest import PackedH2OKVCache, h2o_layers, pack_layers, unpack_layers
 from ..cache import H2OKVCache, cache_of
 from ..mlx_lm import h2o_caches, keep_views, shares_kv, use_h2o
-from ..retention import cache_prompt, repeat_prefix
+from ..retention import SHARE, cache_prompt, repeat_prefix
 from . import common, serve_compat, serve_requests
 
 STATS_PATH = "/v1/h2o/stats"
@@ -94,6 +94,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "cache stores answers later questions too (a next turn, another question about the same "
                         "document); window: the adapter's own chunk scoring only (the prompt's last --window "
                         "queries choose what stays)")
+    parser.add_argument("--prompt-share", type=float, default=None, metavar="SHARE",
+                        help="with --prompt-retention repeat: the share of a head's budget (0-1) for the prompt's "
+                        "best windows of 16 tokens, kept whole in every layer and head (cache_prompt's share; "
+                        f"default: cache_prompt's, {SHARE} where the budget is spread over every layer, 0 "
+                        "otherwise; 0: none, which kept more codes of 2k-token documents: BENCHMARKS, Serve)")
     parser.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
                         help="keep the prompt cache's entries as files in DIR too (the cache-prompt format), "
                         "written atomically when stored, removed when dropped, and loaded at start: a "
@@ -471,15 +476,19 @@ class PromptReader:
     `cache_prompt` call, `chunk_size=slice`: cache_prompt continues a cache that holds
     tokens), which leaves every layer's state evaluated (it may run on another thread:
     nothing lazy crosses back). What mlx-lm stores at the end of the request kept what a
-    later question can ask for, not only what this one asked.
+    later question can ask for, not only what this one asked. `share`: cache_prompt's share
+    of each head's budget for the prompt's best windows (None: its default; `--prompt-share`).
     """
 
-    def __init__(self, provider: "H2OModelProvider", tail: int, slice_tokens: int = 512):
+    def __init__(self, provider: "H2OModelProvider", tail: int, slice_tokens: int = 512,
+                 share: Optional[float] = None):
+        if share is not None and not 0 <= share <= 1:
+            raise ValueError(f"share={share} is invalid: expected 0 <= share <= 1 or None (cache_prompt's default)")
         if tail < 1:
             raise ValueError(f"tail={tail} is invalid: expected >= 1 (mlx-lm feeds at least one token)")
         if slice_tokens < 1:
             raise ValueError(f"slice_tokens={slice_tokens} is invalid: expected >= 1")
-        self.provider, self.tail, self.slice = provider, tail, slice_tokens
+        self.provider, self.tail, self.slice, self.share = provider, tail, slice_tokens, share
         self.prompts_read = 0  # prompts compressed so far (the log says each)
 
     def plan(self, cache: Optional[List[Any]], rest: List[int]):
@@ -499,7 +508,7 @@ class PromptReader:
         # tail: each head takes the generator's tail (the question) after its selection before evicting;
         # within: each slice is spread, and shares windows, as the whole head read in one call would be
         cache_prompt(self.provider.model, part, reading.cache, repeat_prefix=repeat_prefix(self.provider.tokenizer),
-                     chunk_size=self.slice, tail=self.tail, within=(done, len(reading.head)))
+                     chunk_size=self.slice, tail=self.tail, share=self.share, within=(done, len(reading.head)))
         reading.done[0] = done + len(part)
         if reading.done[0] < len(reading.head):
             return False
@@ -682,7 +691,8 @@ def serve(host: str, port: int, provider: H2OModelProvider, max_prompt_tokens: O
     args = provider.cli_args
     reader = None
     if getattr(args, "prompt_retention", "window") == "repeat" and provider.h2o_budgets():
-        reader = PromptReader(provider, max(provider.policy.prompt.window, 1), args.prefill_step_size)
+        reader = PromptReader(provider, max(provider.policy.prompt.window, 1), args.prefill_step_size,
+                              getattr(args, "prompt_share", None))
     store = None
     if getattr(args, "prompt_cache_dir", None):
         from .serve_store import PromptCacheDir
@@ -751,6 +761,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error(f"--max-prompt-tokens {args.max_prompt_tokens} is invalid: expected >= 1")
     if args.max_tokens < 1:
         parser.error(f"--max-tokens {args.max_tokens} is invalid: expected >= 1")
+    if args.prompt_share is not None and not 0 <= args.prompt_share <= 1:
+        parser.error(f"--prompt-share {args.prompt_share} is invalid: expected 0 <= share <= 1")
     gone, installed = serve_compat.missing(), mlx_version()
     if gone or installed != serve_compat.MLX_LM_VERSION:
         log.warning("mlx-lm %s is installed; h2o-fn serve was written against %s%s", installed,
