@@ -68,6 +68,7 @@ CONFIGS = {  # name: (serve flags, bounded by --prompt-cache-bytes)
     "full": (["--full-cache"], True),
     "h2o-512": (["--budget", "512"], True),
     "h2o-512-8bit": (["--budget", "512", "--kv-bits", "8"], True),
+    "h2o-512-8bit-no-windows": (["--budget", "512", "--kv-bits", "8", "--prompt-share", "0"], True),
     "h2o-256": (["--budget", "256"], True),
     "h2o-256-8bit": (["--budget", "256", "--kv-bits", "8"], True),
 }

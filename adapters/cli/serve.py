@@ -36,7 +36,7 @@ from .. import allocation
 from ..at_rest import PackedH2OKVCache, h2o_layers, pack_layers, unpack_layers
 from ..cache import H2OKVCache, cache_of
 from ..mlx_lm import h2o_caches, keep_views, shares_kv, use_h2o
-from ..retention import SHARE, cache_prompt, repeat_prefix
+from ..retention import SHARE, WIDTH, cache_prompt, repeat_prefix
 from . import common, serve_compat, serve_requests
 
 STATS_PATH = "/v1/h2o/stats"
@@ -96,7 +96,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "queries choose what stays)")
     parser.add_argument("--prompt-share", type=float, default=None, metavar="SHARE",
                         help="with --prompt-retention repeat: the share of a head's budget (0-1) for the prompt's "
-                        "best windows of 16 tokens, kept whole in every layer and head (cache_prompt's share; "
+                        f"best windows of {WIDTH} tokens, kept whole in every layer and head (cache_prompt's share; "
                         f"default: cache_prompt's, {SHARE} where the budget is spread over every layer, 0 "
                         "otherwise; 0: none, which kept more codes of 2k-token documents: BENCHMARKS, Serve)")
     parser.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
