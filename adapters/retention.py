@@ -205,6 +205,12 @@ def share_windows(passes: List[ScoringPass], share: float, width: int = WIDTH, p
         p.shared = mask
 
 
+def check_share(share: Optional[float]) -> None:
+    """Raise unless `share` is None (cache_prompt's default) or within 0-1 (of a head's budget)."""
+    if share is not None and not 0 <= share <= 1:
+        raise ValueError(f"share={share} is invalid: expected 0 <= share <= 1 (of a head's budget; 0: none)")
+
+
 def reading_for(layers: Sequence[Any], n: int, budgets: str, share: Optional[float]) -> Tuple[str, float]:
     """`cache_prompt`'s `budgets` and `share` resolved for a prompt of `n` more tokens read into
     `layers`, as `keep_chunk` takes them: the spread by `spread_for`; the share as given, else
@@ -327,8 +333,7 @@ def cache_prompt(model: nn.Module, prompt_ids: Sequence[int], cache: List[Any], 
         raise ValueError(f"pool={pool} is invalid: expected an odd number >= 1 (1: no pooling)")
     if not 0 <= surprisal < float("inf"):  # as `retention.weigh`, before the passes: NaN and inf refused too
         raise ValueError(f"surprisal={surprisal} is invalid: expected a finite number >= 0 (0: scores as they are)")
-    if share is not None and not 0 <= share <= 1:
-        raise ValueError(f"share={share} is invalid: expected 0 <= share <= 1 (of a head's budget; 0: none)")
+    check_share(share)
     if budgets == "uniform" and share:
         raise ValueError(f"share={share} is invalid with budgets='uniform': expected 0 or None (windows are "
                          "shared by a selection across heads: 'global', 'layer' or 'auto')")

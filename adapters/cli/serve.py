@@ -36,7 +36,7 @@ from .. import allocation
 from ..at_rest import PackedH2OKVCache, h2o_layers, pack_layers, unpack_layers
 from ..cache import H2OKVCache, cache_of
 from ..mlx_lm import h2o_caches, keep_views, shares_kv, use_h2o
-from ..retention import SHARE, WIDTH, cache_prompt, repeat_prefix
+from ..retention import SHARE, WIDTH, cache_prompt, check_share, repeat_prefix
 from . import common, serve_compat, serve_requests
 
 STATS_PATH = "/v1/h2o/stats"
@@ -482,8 +482,7 @@ class PromptReader:
 
     def __init__(self, provider: "H2OModelProvider", tail: int, slice_tokens: int = 512,
                  share: Optional[float] = None):
-        if share is not None and not 0 <= share <= 1:
-            raise ValueError(f"share={share} is invalid: expected 0 <= share <= 1 or None (cache_prompt's default)")
+        check_share(share)
         if tail < 1:
             raise ValueError(f"tail={tail} is invalid: expected >= 1 (mlx-lm feeds at least one token)")
         if slice_tokens < 1:
